@@ -1,0 +1,55 @@
+"""The one interface every generation backend follows.
+
+The agent loop hands a backend a batch of requests, one per live episode, and gets back one
+completion each. Requests carry token ids (token-in) and completions return the sampled token ids
+(token-out), so PPO trains on exactly the tokens that were sampled. A request's `key` names its
+episode: a backend may keep state per key (the HF backend keeps the episode's KV cache, since each
+turn's prompt extends the previous turn's prompt and completion), but the result must not depend
+on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from envs import TextGameEnv
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 400
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Generation stops right after any of these strings is produced (or at EOS / end of turn).
+    stop: tuple[str, ...] = ("</answer>",)
+    seed: int = 0
+
+
+@dataclass
+class GenerationRequest:
+    key: str  # episode id
+    prompt_ids: list[int]  # the whole context, ending with the generation prefix "<think>"
+    env: "TextGameEnv | None" = None  # only the random backend looks at it
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # sampled tokens, up to and including the stop string or EOS
+    text: str  # decoded token_ids (the random backend has text only)
+    logprobs: list[float] | None = None  # log-prob of each sampled token under the sampler
+    finish_reason: str = "stop"  # "stop" (stop string), "eos", or "length"
+    extra: dict = field(default_factory=dict)
+
+
+class GenerationBackend(Protocol):
+    name: str
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+        """One completion per request, in order."""
+        ...
+
+    def release(self, keys: list[str]) -> None:
+        """Forget per-episode state for these keys (the episodes are done)."""
+        ...
