@@ -1,0 +1,283 @@
+"""The `spa` command line: one thin command per stage of the SPA recipe.
+
+Every stage command reads the YAML config given by `--config`, applies the repeatable
+`--set section.key=value` overrides and then its own flags (which are shorthands for config keys),
+and calls the stage's `run(config)`. Errors a user can cause are printed as one line and exit with
+code 2. Stages are imported lazily so `spa --help` and `spa envs` stay fast.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="spa",
+    help="SPA: world-model self-play finetuning for agentic RL (arXiv 2510.15047).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+eval_app = typer.Typer(help="Evaluate a model: Pass@k, world-model accuracy, state perplexity.")
+app.add_typer(eval_app, name="eval")
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override: section.key=value (repeatable).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+EnvOpt = Annotated[Optional[str], typer.Option("--env", "-e", help="Game name (see `spa envs`).")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="smollm2-135m, a model directory, or a hub id.")]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="hf | vllm | random.")]
+OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output path.")]
+
+
+def user_errors(command: Callable) -> Callable:
+    """Turn user-caused errors into one line on stderr and exit code 2 (no traceback)."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from envs import EnvError
+        from stages.errors import UserError
+
+        try:
+            return command(*args, **kwargs)
+        except (UserError, EnvError) as err:
+            _fail(str(err))
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+                raise
+            _fail(f"{err.strerror}: {err.filename or ''}".rstrip(": "))
+        except KeyboardInterrupt:
+            err_console.print("interrupted; run the same command again to resume", highlight=False)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _load(config: Optional[Path], sets: Optional[list[str]], quiet: bool, **flags: Any):
+    """The config from file, --set overrides, then the command's own flags (None = not given)."""
+    from stages.config import load_config
+
+    values = {key.replace("__", "."): value for key, value in flags.items() if value is not None}
+    if quiet or not sys.stdout.isatty():
+        values["quiet"] = True
+    return load_config(config, sets or [], values)
+
+
+# ---- stages -----------------------------------------------------------------------------------
+
+
+@app.command()
+@user_errors
+def generate(
+    config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
+    env: EnvOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
+    groups: Annotated[Optional[int], typer.Option(help="Puzzles (seed groups).")] = None,
+    group_size: Annotated[Optional[int], typer.Option(help="Episodes per puzzle.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="First seed.")] = None,
+    prompt_mode: Annotated[Optional[str], typer.Option(help="world_model | base.")] = None,
+    out: OutOpt = None,
+) -> None:
+    """Self-play rollouts: play the game with a policy and write trajectories.jsonl."""
+    from stages import generate as stage
+
+    cfg = _load(config, set_, quiet, env__name=env, model__name=model, rollout__backend=backend,
+                rollout__groups=groups, rollout__group_size=group_size, rollout__seed=seed,
+                rollout__prompt_mode=prompt_mode, generate__out=out)
+    stage.run(cfg)
+
+
+@app.command()
+@user_errors
+def clean(
+    config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
+    data: Annotated[Optional[str], typer.Option(help="trajectories.jsonl from `spa generate`.")] = None,
+    out: OutOpt = None,
+    unit: Annotated[Optional[str], typer.Option(help="trajectory (default) | turn.")] = None,
+    states: Annotated[Optional[str], typer.Option(help="ground_truth (default) | self_belief.")] = None,
+    random_coordinates: Annotated[Optional[bool], typer.Option(help="Random coordinates (ablation).")] = None,
+    success_only: Annotated[Optional[bool], typer.Option(help="Keep successful episodes only.")] = None,
+    skip_bad: Annotated[Optional[bool], typer.Option(help="Skip unreadable lines instead of stopping.")] = None,
+) -> None:
+    """Ground-truth state replacement and filters: trajectories.jsonl -> sft.jsonl (+ sft.val.jsonl)."""
+    from stages import clean as stage
+
+    cfg = _load(config, set_, quiet, clean__data=data, clean__out=out, clean__unit=unit, clean__states=states,
+                clean__random_coordinates=random_coordinates, clean__success_only=success_only,
+                clean__skip_bad=skip_bad)
+    stage.run(cfg)
+
+
+@app.command()
+@user_errors
+def sft(
+    config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
+    data: Annotated[Optional[str], typer.Option(help="sft.jsonl from `spa clean`.")] = None,
+    model: ModelOpt = None, out: OutOpt = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Training epochs.")] = None,
+    mask_states: Annotated[Optional[bool], typer.Option(help="No loss on state contents (ablation).")] = None,
+    resume: Annotated[Optional[bool], typer.Option(help="Continue from the last saved state.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Write the first rows' tokens and masks, do not train.")] = False,
+) -> None:
+    """World-model fine-tuning (DeepSpeed ZeRO): sft.jsonl + model -> checkpoint directory."""
+    from stages import sft as stage
+
+    cfg = _load(config, set_, quiet, sft__data=data, model__name=model, sft__out=out, sft__epochs=epochs,
+                sft__mask_states=mask_states, sft__resume=resume)
+    stage.run(cfg, dry_run=dry_run)
+
+
+@app.command()
+@user_errors
+def ppo(
+    config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
+    model: ModelOpt = None, env: EnvOpt = None, out: OutOpt = None,
+    steps: Annotated[Optional[int], typer.Option(help="PPO steps.")] = None,
+    resume: Annotated[Optional[bool], typer.Option(help="Continue from the last saved state.")] = None,
+) -> None:
+    """Multi-turn PPO with a critic and GAE: checkpoint + env -> checkpoint directory."""
+    try:
+        from stages import ppo as stage
+    except ImportError:
+        _fail("`spa ppo` is not built yet (issue 6)")
+    cfg = _load(config, set_, quiet, model__name=model, env__name=env, ppo__out=out, ppo__steps=steps,
+                ppo__resume=resume)
+    stage.run(cfg)
+
+
+@eval_app.callback(invoke_without_command=True)
+@user_errors
+def eval_(
+    ctx: typer.Context,
+    config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
+    model: ModelOpt = None, env: EnvOpt = None, backend: BackendOpt = None,
+    pass_k: Annotated[Optional[int], typer.Option("--pass-k", "-k", help="Largest k of Pass@k.")] = None,
+    seeds: Annotated[Optional[int], typer.Option(help="Number of eval puzzles (seeds from 123).")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", help="Samples per puzzle (default: k).")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature.")] = None,
+    prompt_mode: Annotated[Optional[str], typer.Option(help="world_model | base.")] = None,
+    render_mode: Annotated[Optional[str], typer.Option(help="coords | text.")] = None,
+    state_ppl: Annotated[Optional[bool], typer.Option(help="Also measure state perplexity.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Draw Pass@k against k into this PNG.")] = None,
+    out: OutOpt = None,
+) -> None:
+    """Pass@k, world-model accuracy and state perplexity on fixed eval seeds -> report.json."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from stages import evaluate as stage
+
+    cfg = _load(config, set_, quiet, model__name=model, env__name=env, rollout__backend=backend,
+                eval__pass_k=pass_k, eval__seeds=seeds, eval__n=n, rollout__temperature=temperature,
+                rollout__prompt_mode=prompt_mode, env__render_mode=render_mode, eval__state_ppl=state_ppl,
+                eval__out=out)
+    report = stage.run(cfg)
+    stage.print_report(report, console)
+    if plot is not None:
+        stage.plot_pass_at_k(report, plot)
+
+
+@eval_app.command("compare")
+@user_errors
+def eval_compare(
+    reports: Annotated[list[Path], typer.Argument(help="report.json files from `spa eval`.")],
+    force: Annotated[bool, typer.Option(help="Compare even if the settings differ.")] = False,
+) -> None:
+    """Print several reports side by side, like the paper's Table 2."""
+    from stages import evaluate as stage
+
+    console.print(stage.compare(reports, force=force))
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+@config_app.command("show")
+@user_errors
+def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the resolved configuration as YAML."""
+    from stages.config import load_config, to_yaml
+
+    typer.echo(to_yaml(load_config(config, set_ or [])), nl=False)
+
+
+@app.command()
+@user_errors
+def envs() -> None:
+    """List the games and their settings."""
+    from rich.table import Table
+
+    import envs as registry
+
+    table = Table("name", "gymnasium id", "settings", "actions / turn budget", "what")
+    for spec in registry.SPECS.values():
+        cls = spec.load_class()
+        settings = ", ".join(f"{k}={v}" for k, v in spec.kwargs.items())
+        actions = " | ".join(cls.action_names) if cls.action_names else "r,c,v moves"
+        table.add_row(spec.name, spec.gym_id, settings, f"{actions} / {cls.max_actions_per_traj}", spec.summary)
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def play(
+    env: Annotated[str, typer.Option("--env", "-e", help="Game name.")] = "sokoban",
+    seed: Annotated[int, typer.Option(help="Puzzle seed.")] = 0,
+    render_mode: Annotated[str, typer.Option(help="coords | text.")] = "coords",
+    actions: Annotated[Optional[str], typer.Option(help="Play these actions ('Up || Left') and exit.")] = None,
+) -> None:
+    """Play a game in the terminal: the state with coordinates, the reward, done."""
+    import envs as registry
+
+    game = registry.make(env, render_mode=render_mode)
+    text, _ = game.reset(seed=seed)
+    console.print(text, highlight=False, markup=False)
+    names = " | ".join(game.action_names) if game.action_names else "row,col,value (1-indexed)"
+    if actions is not None:
+        moves = [a.strip() for a in actions.split("||")]
+        bad = [m for m in moves if game.parse_action(m) is None]
+        if bad:
+            _fail(f"not an action in {env}: {bad[0]!r}; actions are {names}")
+        for move in moves:
+            if _play_one(game, move):
+                break
+        return
+    console.print(f"actions: {names}; several separated by ' || '; q to quit", highlight=False)
+    for line in sys.stdin:
+        if line.strip().lower() in ("q", "quit", "exit"):
+            break
+        moves = [a.strip() for a in line.split("||") if a.strip()]
+        if not moves or any(game.parse_action(m) is None for m in moves):
+            err_console.print(f"not understood: {line.strip()!r}; actions are {names}", highlight=False)
+            continue
+        if any(_play_one(game, move) for move in moves):
+            break
+
+
+def _play_one(game: Any, move: str) -> bool:
+    text, reward, terminated, truncated, info = game.step(move)
+    console.print(f"> {game.parse_action(move)}  reward {reward:+g}", highlight=False)
+    console.print(text, highlight=False, markup=False)
+    done = terminated or truncated
+    if done:
+        outcome = "solved" if info["success"] else ("truncated" if truncated else "failed")
+        console.print(f"done: {outcome}", highlight=False)
+    return done
+
+
+def main() -> None:  # pragma: no cover - the console script entry point
+    app()

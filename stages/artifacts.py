@@ -1,0 +1,191 @@
+"""Reading and writing the artifacts the stages exchange: JSONL files, JSON reports, manifests.
+
+Writes are atomic: a temp file in the same directory, then `os.replace`, so a stage killed
+half-way leaves either the old file or the new one, never half of one. The one exception is the
+append-only JSONL of `spa generate`, where each finished episode is appended and flushed so a kill
+loses only the episodes in flight; a torn last line is detected and dropped on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any, TextIO
+
+from stages.errors import UserError
+
+MANIFEST_NAME = "manifest.json"
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, mode: str = "w") -> Iterator[TextIO]:
+    """Open a temp file beside `path`; on success it replaces `path`, on error it is removed."""
+    path = Path(path)
+    ensure_parent(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def ensure_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create directory {path.parent}: {err.strerror}") from None
+    if not os.access(path.parent, os.W_OK):
+        raise UserError(f"cannot write to {path.parent}: permission denied")
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    with atomic_write(path) as handle:
+        json.dump(obj, handle, indent=2, ensure_ascii=False)
+        handle.write("\n")
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    with atomic_write(path) as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read {path} as JSON: {err}") from None
+
+
+def read_jsonl(path: str | Path, skip_bad: bool = False, required: tuple[str, ...] = ()) -> tuple[list[dict], int]:
+    """All rows of a JSONL file and the number of bad lines skipped.
+
+    A line that is not a JSON object, or lacks a `required` key, stops with its line number unless
+    `skip_bad` is set, in which case it is counted and skipped. Blank lines are ignored.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+    rows, bad = [], 0
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                problem = _row_problem(line, required)
+                if problem is None:
+                    rows.append(json.loads(line))
+                elif skip_bad:
+                    bad += 1
+                else:
+                    raise UserError(f"{path}:{number}: {problem} (use --skip-bad to skip such lines)")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror}") from None
+    return rows, bad
+
+
+def _row_problem(line: str, required: tuple[str, ...]) -> str | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        return f"not valid JSON ({err.msg})"
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    missing = [key for key in required if key not in row]
+    return f"missing key(s) {', '.join(missing)}" if missing else None
+
+
+class JsonlAppender:
+    """Append rows to a JSONL file, flushing each, after dropping a torn last line from a kill."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        ensure_parent(self.path)
+        _drop_torn_tail(self.path)
+        self._handle = self.path.open("a", encoding="utf-8")
+
+    def append(self, row: dict) -> None:
+        self._handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> JsonlAppender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as handle:
+        data = handle.read()
+        if data.endswith(b"\n"):
+            return
+        handle.truncate(data.rfind(b"\n") + 1)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def package_versions(names: tuple[str, ...] = ("spa", "torch", "transformers", "deepspeed", "vllm")) -> dict:
+    versions = {"python": platform.python_version()}
+    for name in names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    return versions
+
+
+def manifest(stage: str, config: dict, inputs: dict[str, str | Path] | None = None) -> dict:
+    """What produced an artifact: stage, config, input hashes, package versions, command line."""
+    return {
+        "stage": stage,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": sys.argv,
+        "config": config,
+        "inputs": {name: {"path": str(p), "sha256": file_sha256(p)} for name, p in (inputs or {}).items()},
+        "versions": package_versions(),
+    }
+
+
+def write_manifest(directory_or_file: str | Path, data: dict) -> Path:
+    """The manifest of a directory artifact is `DIR/manifest.json`; of a file, `FILE.manifest.json`."""
+    target = Path(directory_or_file)
+    path = target / MANIFEST_NAME if target.is_dir() else target.with_name(target.name + ".manifest.json")
+    write_json(path, data)
+    return path
+
+
+def val_path(path: str | Path) -> Path:
+    """Where the validation split of a JSONL lives: `sft.jsonl` -> `sft.val.jsonl`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.val{path.suffix}")

@@ -1,0 +1,360 @@
+"""One typed configuration for every stage, read from YAML and `--set` overrides.
+
+The dataclasses below are the schema; their defaults are the paper's settings (reference notes
+§2-§6), and `configs/base.yaml` spells every one of them out (a test keeps the two equal).
+A YAML file may start from another with ``inherit: other.yaml`` (a path relative to the file);
+mappings merge key by key, everything else replaces. Overrides are ``section.key=value`` with the
+value parsed as YAML (``--set rollout.groups=8``, ``--set sft.betas=[0.9,0.95]``).
+
+Unknown keys and wrong types are errors that name the key, the valid choices, and the closest
+valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from stages.errors import UserError
+
+
+@dataclass
+class EnvConfig:
+    #: A registered game (`spa envs` lists them).
+    name: str = "sokoban"
+    #: "coords": grid plus coordinate line (SPA's text_with_coordinates); "text": grid alone.
+    render_mode: Literal["coords", "text"] = "coords"
+    #: Overrides of the game's own settings, e.g. {num_boxes: 2} or {difficulty: medium}.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    #: Built-in name (smollm2-135m), a local Hugging Face directory, or a hub id.
+    name: str = "smollm2-135m"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    #: Off unless the user asks: a model's own code is not run by default.
+    trust_remote_code: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    """The multi-turn agent loop shared by generate, eval and ppo."""
+
+    backend: Literal["hf", "vllm", "random"] = "hf"
+    prompt_mode: Literal["world_model", "base"] = "world_model"
+    #: Puzzles per batch; every episode of a group plays the same seed.
+    groups: int = 32
+    group_size: int = 8
+    #: First seed (train seeds start at 10000, eval seeds at 123).
+    seed: int = 10000
+    max_turns: int = 5
+    max_actions_per_turn: int = 5
+    #: Budget of primitive actions per episode; null takes the game's own (10, 10, 50).
+    max_actions_per_traj: int | None = None
+    #: Generation limit per turn, in tokens.
+    max_new_tokens: int = 400
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: Past turns kept in the prompt; null keeps them all.
+    history_window: int | None = None
+    format_penalty: float = -0.1
+    #: Episodes generated together by the hf backend.
+    batch_size: int = 64
+    #: Seed of the sampler (and of the random backend).
+    sample_seed: int = 0
+    #: vLLM's share of GPU memory (vllm backend only).
+    gpu_memory_utilization: float = 0.6
+
+
+@dataclass
+class GenerateConfig:
+    out: str = "runs/trajectories.jsonl"
+
+
+@dataclass
+class CleanConfig:
+    data: str = "runs/trajectories.jsonl"
+    out: str = "runs/sft.jsonl"
+    #: "trajectory": one row per episode, every assistant turn trained; "turn": SPA's one row per turn.
+    unit: Literal["trajectory", "turn"] = "trajectory"
+    #: "ground_truth": SPA; "self_belief": keep the model's own states (the paper's Table 3 ablation).
+    states: Literal["ground_truth", "self_belief"] = "ground_truth"
+    #: Replace coordinates by random ones in the same format (the paper's Fig. 5 ablation).
+    random_coordinates: bool = False
+    filter_format: bool = True
+    dedup: bool = True
+    success_only: bool = False
+    #: Fraction of trajectories held out for validation (split by trajectory).
+    val_fraction: float = 0.1
+    seed: int = 42
+    #: Skip (and count) unreadable input lines instead of stopping.
+    skip_bad: bool = False
+
+
+@dataclass
+class SFTConfig:
+    data: str = "runs/sft.jsonl"
+    #: Validation rows; empty means the `<data>.val.jsonl` written by `spa clean`, if present.
+    val_data: str = ""
+    out: str = "runs/sft"
+    epochs: int = 5
+    lr: float = 1.0e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    grad_clip: float = 1.0
+    #: Rows per optimizer step (summed over GPUs and accumulation).
+    global_batch: int = 16
+    #: Token budget of one micro-batch (rows are packed up to it); bounds memory.
+    micro_batch_tokens: int = 4096
+    max_length: int = 2048
+    #: The paper's masked ablation: no loss on the observation and prediction contents.
+    mask_states: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 64
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload: bool = False
+    gradient_checkpointing: bool = False
+    seed: int = 1
+    resume: bool = False
+
+
+@dataclass
+class PPOConfig:
+    out: str = "runs/ppo"
+    steps: int = 1000
+    actor_lr: float = 1.0e-6
+    critic_lr: float = 1.0e-5
+    gamma: float = 1.0
+    lam: float = 1.0
+    advantage: Literal["gae", "bilevel_gae", "grpo"] = "gae"
+    turn_gamma: float = 0.95
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 3.0
+    value_clip: float = 0.5
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.0
+    #: Keep this fraction of groups, those with the largest reward std.
+    filter_ratio: float = 0.25
+    mini_batch: int = 64
+    ppo_epochs: int = 1
+    #: "assistant": the model's own tokens (the paper); "all": every token after the system prompt
+    #: (SPA's released config).
+    loss_mask: Literal["assistant", "all"] = "assistant"
+    micro_batch_tokens: int = 4096
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    gradient_checkpointing: bool = False
+    val_every: int = 10
+    save_every: int = 100
+    seed: int = 1
+    resume: bool = False
+
+
+@dataclass
+class EvalConfig:
+    out: str = "runs/report.json"
+    #: Number of eval puzzles, seeds first_seed .. first_seed+seeds-1 (disjoint from training).
+    seeds: int = 128
+    first_seed: int = 123
+    #: Samples per seed; null means pass_k.
+    n: int | None = None
+    pass_k: int = 8
+    #: Also measure state perplexity (Table 1 of the paper).
+    state_ppl: bool = False
+
+
+@dataclass
+class SPAConfig:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    #: Show progress bars (off automatically without a terminal).
+    quiet: bool = False
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+INHERIT_KEY = "inherit"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                values: dict[str, Any] | None = None) -> SPAConfig:
+    """The default config, updated by a YAML file (with inheritance), then by `key=value` overrides
+    (values parsed as YAML), then by already-typed `values` (the CLI's own flags), in that order."""
+    raw: dict[str, Any] = _read_yaml_tree(Path(path)) if path else {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    for key, value in (values or {}).items():
+        _set_dotted(raw, key, value)
+    return from_dict(raw)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise UserError(f"--set expects key.path=value, got {item!r}")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text  # a plain string such as a path with a colon
+    return key.strip(), value
+
+
+def _read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise UserError(f"config {path} inherits from itself")
+    data = _read_yaml(path)
+    parent = data.pop(INHERIT_KEY, None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise UserError(f"{path}: '{INHERIT_KEY}' must be a file path")
+    return _merge(_read_yaml_tree(path.parent / parent, (*seen, path)), data)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read config file {path}: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise UserError(f"config file {path} is not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"cannot set {dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(raw: dict[str, Any], cls: type = SPAConfig, prefix: str = "") -> Any:
+    """Build the dataclass `cls` from a nested dict, checking every key and type."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {_describe(raw)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise UserError(_unknown_key_message(f"{prefix}{key}", str(key), list(fields)))
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            values[key] = from_dict(value, hint, f"{prefix}{key}.")
+        else:
+            values[key] = _check_type(f"{prefix}{key}", value, hint)
+    return cls(**values)
+
+
+def _unknown_key_message(full_key: str, key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {full_key!r}; valid keys here: {', '.join(valid)}.{hint}"
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(map(str, args))
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            suggestion = f" Did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{key} must be one of {choices}; got {value!r}.{suggestion}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(key, value, arg)
+            except UserError as err:
+                errors.append(str(err))
+        raise UserError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{key} must be a list, got {_describe(value)}")
+        return [_check_type(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, got {_describe(value)}")
+        return dict(value)
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        return _yaml11_float(key, value)  # PyYAML reads "3e-4" (no dot) as a string
+    if hint is bool and not isinstance(value, bool):
+        raise UserError(f"{key} must be true or false, got {_describe(value)}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise UserError(f"{key} must be an integer, got {_describe(value)}")
+    if not isinstance(value, hint):
+        raise UserError(f"{key} must be {hint.__name__}, got {_describe(value)}")
+    return value
+
+
+def _yaml11_float(key: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UserError(f"{key} must be a number, got {text!r} (str)") from None
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def to_dict(config: SPAConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: SPAConfig) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False, allow_unicode=True)
