@@ -92,10 +92,11 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if target.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, target)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "model.safetensors").is_file():  # not just another process finishing first
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
