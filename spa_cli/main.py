@@ -245,7 +245,7 @@ def play(
 
     game = registry.make(env, render_mode=render_mode)
     text, _ = game.reset(seed=seed)
-    console.print(text, highlight=False, markup=False)
+    typer.echo(text)
     names = " | ".join(game.action_names) if game.action_names else "row,col,value (1-indexed)"
     if actions is not None:
         moves = [a.strip() for a in actions.split("||")]
@@ -270,8 +270,8 @@ def play(
 
 def _play_one(game: Any, move: str) -> bool:
     text, reward, terminated, truncated, info = game.step(move)
-    console.print(f"> {game.parse_action(move)}  reward {reward:+g}", highlight=False)
-    console.print(text, highlight=False, markup=False)
+    typer.echo(f"> {game.parse_action(move)}  reward {reward:+g}")
+    typer.echo(text)
     done = terminated or truncated
     if done:
         outcome = "solved" if info["success"] else ("truncated" if truncated else "failed")

@@ -220,8 +220,7 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def _read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = path.resolve()
-    if path in seen:
+    if path.resolve() in seen:
         raise UserError(f"config {path} inherits from itself")
     data = _read_yaml(path)
     parent = data.pop(INHERIT_KEY, None)
@@ -229,7 +228,7 @@ def _read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(parent, str):
         raise UserError(f"{path}: '{INHERIT_KEY}' must be a file path")
-    return _merge(_read_yaml_tree(path.parent / parent, (*seen, path)), data)
+    return _merge(_read_yaml_tree(path.parent / parent, (*seen, path.resolve())), data)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -1,0 +1,3 @@
+from spa_cli.main import app
+
+app(prog_name="spa")

@@ -1,0 +1,29 @@
+"""Shared fixtures. Nothing here reaches a model hub: the tokenizer is the bundled SmolLM2's and
+test models are tiny random Llamas built locally."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The bundled SmolLM2-135M-Instruct tokenizer (converted once into the cache, ~30 s)."""
+    from stages.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A 2-layer random Llama with the bundled tokenizer, saved as a Hugging Face directory."""
+    from stages.models import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,75 @@
+"""The `spa` command line as a user meets it: help, config, envs, play, and one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from spa_cli.main import app
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, list(args), input=input)
+
+
+def test_help_lists_every_stage_and_helper():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("generate", "clean", "sft", "ppo", "eval", "config", "envs", "play"):
+        assert command in result.output
+
+
+def test_config_show_prints_the_resolved_yaml():
+    result = invoke("config", "show", "--set", "rollout.groups=3", "--set", "env.name=sudoku")
+    assert result.exit_code == 0
+    shown = yaml.safe_load(result.output)
+    assert shown["rollout"]["groups"] == 3 and shown["env"]["name"] == "sudoku"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["config", "show", "--set", "rollout.grups=3"], "error: unknown config key 'rollout.grups'"),
+    (["config", "show", "--config", "missing.yaml"], "error: config file missing.yaml does not exist"),
+    (["play", "--env", "sokobn"], "error: unknown env 'sokobn'; choose one of: sokoban"),
+    (["play", "--env", "sokoban", "--actions", "Up || Jump"], "error: not an action in sokoban: 'Jump'"),
+    (["play", "--env", "sokoban", "--actions", ""], "error: not an action in sokoban: ''"),
+])
+def test_user_errors_are_one_line_with_exit_code_2(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith(message), result.output
+    assert "Traceback" not in result.output
+
+
+def test_envs_lists_the_games(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    result = invoke("envs")
+    assert result.exit_code == 0
+    for name in ("sokoban", "sokoban_hard", "frozen_lake", "frozen_lake_6x6", "sudoku"):
+        assert name in result.output
+
+
+def test_play_scripted_actions_show_reward_and_state():
+    import envs
+
+    game = envs.make("frozen_lake", is_slippery=False)
+    text, _ = game.reset(seed=3)
+    result = invoke("play", "--env", "frozen_lake", "--seed", "3", "--actions", "Left")
+    assert result.exit_code == 0
+    assert result.output.startswith(text)
+    assert "> Left  reward" in result.output
+
+
+def test_play_interactive_reprompts_on_garbage_and_quits():
+    result = invoke("play", "--env", "sudoku", "--seed", "1", input="nonsense\nq\n")
+    assert result.exit_code == 0
+    assert "not understood: 'nonsense'" in result.output
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "spa_cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "generate" in out.stdout
