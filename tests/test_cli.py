@@ -46,7 +46,9 @@ def test_user_errors_are_one_line_with_exit_code_2(args, message):
 
 
 def test_envs_lists_the_games(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
+    from spa_cli import main
+
+    monkeypatch.setattr(main.console, "width", 250)
     result = invoke("envs")
     assert result.exit_code == 0
     for name in ("sokoban", "sokoban_hard", "frozen_lake", "frozen_lake_6x6", "sudoku"):

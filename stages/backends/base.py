@@ -31,7 +31,7 @@ class SamplingParams:
 class GenerationRequest:
     key: str  # episode id
     prompt_ids: list[int]  # the whole context, ending with the generation prefix "<think>"
-    env: "TextGameEnv | None" = None  # only the random backend looks at it
+    env: TextGameEnv | None = None  # only the random backend looks at it
 
 
 @dataclass

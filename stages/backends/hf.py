@@ -1,0 +1,534 @@
+"""Generation with Hugging Face transformers (CPU and GPU): batched sampling with KV reuse.
+
+The agent loop re-sends the whole conversation every turn, so most of a turn's prompt was already
+seen by the model: the long instruction every episode shares, and the episode's own previous
+turns. This backend keeps those keys/values and only runs the model on what is new.
+
+Cache layout
+------------
+A batch is decoded in one *slab* per layer: a preallocated ``[rows, kv_heads, capacity, head_dim]``
+tensor (``_SlabCache``, a ``transformers.DynamicCache`` whose layers write in place instead of
+concatenating, so a decode step does not copy the whole cache). A ``[rows, capacity]`` boolean
+mask says which columns of a row hold a real token; the model sees it as the 2D attention mask,
+and explicit ``position_ids`` number each row's real tokens 0, 1, 2, ... whatever the padding.
+Columns are filled left to right, the same columns for every row::
+
+    | past (gathered)          | new prompt suffix  | completion (decode)   |
+    | pad pad  k0 k1 ... k_p-1 | pad  s0 s1 ... s_m | c0 c1 ... (pad after  |
+    |                          |                    |  the row finished)    |
+
+``past`` is copied from KV computed earlier (right-aligned, left-padded), ``suffix`` is prefilled
+(right-aligned, so the last column is every row's last prompt token), then decoding appends one
+column per step. Padding *in the middle* of a row is harmless: pads are masked out and skipped
+by the position ids, so each real token sees exactly the tokens and positions it would see in a
+from-scratch prefill.
+
+After a call, each request's key maps to a ``_Cached``: the tokens whose KV is stored (prompt +
+completion minus its last token, which was sampled but never fed) and where they live (a row of
+a ``_Block``, i.e. the slab as it was when the row finished; a block is freed once no key refers
+to it). The next call reuses, per request, the longest prefix its prompt shares with either
+
+* its key's cached tokens (the previous turn of the same episode), or
+* the shared prefix: the longest common prefix of the new episodes' prompts (system prompt +
+  instruction), prefilled once at batch 1 and kept across calls,
+
+and gathers those columns into the new slab. A prompt that extends nothing cached is prefilled
+from scratch, so reuse only ever saves work: results equal a full prefill of each prompt (up to
+float rounding, as with any change of batch shape).
+
+The caches are only valid for the weights that produced them: when the model's parameters change
+(a PPO update bumps their version counters) everything cached is dropped; ``reset()`` does it
+explicitly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+
+from stages.backends.base import Completion, GenerationRequest, SamplingParams
+from stages.errors import UserError
+
+# Chat end-of-turn markers of common model families; the ones in the vocabulary stop generation.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+# ---- cache -------------------------------------------------------------------------------
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer's keys/values in preallocated ``[rows, kv_heads, capacity, head_dim]`` slabs.
+
+    ``update`` writes the new columns in place; ``keys``/``values`` are views of the filled part.
+    """
+
+    def __init__(self, k_slab: torch.Tensor, v_slab: torch.Tensor, length: int):
+        super().__init__()
+        self.k_slab, self.v_slab = k_slab, v_slab
+        self.dtype, self.device = k_slab.dtype, k_slab.device
+        self.is_initialized = True
+        self._set_length(length)
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys = self.k_slab[:, :, :length]
+        self.values = self.v_slab[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self.k_slab.shape[-2]:
+            raise RuntimeError(f"KV slab overflow: {end} columns > capacity {self.k_slab.shape[-2]}")
+        self.k_slab[:, :, start:end] = key_states
+        self.v_slab[:, :, start:end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.k_slab = self.k_slab.index_select(0, indices)
+        self.v_slab = self.v_slab.index_select(0, indices)
+        self._set_length(self.length)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("slab layers do not crop")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("slab layers do not repeat")
+
+
+class _SlabCache(DynamicCache):
+    """A DynamicCache over preallocated slabs (see the module docstring)."""
+
+    def __init__(self, layers: list[_SlabLayer]):
+        Cache.__init__(self, layers=layers)  # not DynamicCache.__init__: the layers are given
+
+
+@dataclass
+class _Block:
+    """KV of a batch of token sequences: per layer ``[rows, kv_heads, columns, head_dim]`` tensors
+    and a ``[rows, columns]`` CPU bool mask of the columns that hold real tokens (in order)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+
+
+@dataclass
+class _Cached:
+    """A token sequence whose KV is in row ``row`` of ``block`` (its mask's true columns)."""
+
+    tokens: list[int]
+    block: _Block
+    row: int
+
+
+@dataclass
+class _Row:
+    """One request of a chunk: its prompt and the KV it starts from (``reuse`` tokens of ``source``)."""
+
+    index: int  # position in the request list
+    key: str
+    prompt: list[int]
+    source: _Cached | None
+    reuse: int
+
+
+# ---- backend -----------------------------------------------------------------------------
+
+
+class HFBackend:
+    """Batched generation with a transformers causal LM; see the module docstring.
+
+    ``batch_size`` rows are decoded together (more requests go in successive chunks).
+    ``prefill_tokens`` bounds rows x columns of one prefill forward (longer prompts are prefilled
+    in column chunks), which bounds activation memory. ``min_shared_prefix`` is the shortest
+    common prefix worth prefilling once for several new episodes. Finished rows leave the batch
+    once ``drop_fraction`` of it has finished (their KV is kept aside), so late steps run narrower.
+    """
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, batch_size: int = 64, prefill_tokens: int = 8192,
+                 min_shared_prefix: int = 16, drop_fraction: float = 0.25):
+        if batch_size < 1:
+            raise UserError(f"rollout.batch_size must be at least 1, got {batch_size}")
+        if not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module  # a DeepSpeed engine or DDP wrapper
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.prefill_tokens = prefill_tokens
+        self.min_shared_prefix = min_shared_prefix
+        self.drop_fraction = drop_fraction
+        config = self.model.config.get_text_config(decoder=True)
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+        if any(t != "full_attention" for t in layer_types) or getattr(config, "sliding_window", None) and \
+                getattr(config, "use_sliding_window", True):
+            raise UserError("the hf backend supports full-attention models only (this one has sliding-window "
+                            "or other attention layers); use rollout.backend=vllm")
+        self._layers = config.num_hidden_layers
+        self._kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = _end_token_ids(self.model, tokenizer)
+        self._episodes: dict[str, _Cached] = {}
+        self._prefix: _Cached | None = None
+        self._weights = self._weights_fingerprint()
+        self._stop_filters: dict[tuple[str, ...], frozenset[int] | None] = {}
+        self.stats: dict[str, float] = {}
+        self.reset_stats()
+
+    # ---- public API ----
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+        if not requests:
+            return []
+        keys = [r.key for r in requests]
+        if len(set(keys)) != len(keys):
+            raise ValueError("generate() got the same key twice in one call")
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.key!r} has an empty prompt")
+        if params.max_new_tokens <= 0:
+            return [Completion([], "", [], "length") for _ in requests]
+        weights = self._weights_fingerprint()
+        if weights != self._weights:
+            self.reset()
+            self._weights = weights
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                return self._generate(requests, params)
+        finally:
+            model.train(was_training)
+
+    def release(self, keys: list[str]) -> None:
+        for key in keys:
+            self._episodes.pop(key, None)
+
+    def reset(self) -> None:
+        """Forget every cached KV (episodes and shared prefix), e.g. after the weights changed."""
+        self._episodes.clear()
+        self._prefix = None
+
+    def reset_stats(self) -> None:
+        self.stats = {"prompt_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "generated_tokens": 0,
+                      "decode_steps": 0, "prefill_s": 0.0, "decode_s": 0.0}
+
+    # ---- one call ----
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        rows = [self._plan(i, r) for i, r in enumerate(requests)]
+        self._attach_shared_prefix(rows)
+        out: list[Completion | None] = [None] * len(requests)
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start:start + self.batch_size]
+            for row, completion in zip(chunk, self._run_chunk(chunk, params, generator)):
+                out[row.index] = completion
+        return out  # type: ignore[return-value]
+
+    def _plan(self, index: int, request: GenerationRequest) -> _Row:
+        prompt = list(request.prompt_ids)
+        cached = self._episodes.get(request.key)
+        reuse = 0
+        if cached is not None:
+            reuse = min(_common_prefix_len(prompt, cached.tokens), len(prompt) - 1)
+        self.stats["prompt_tokens"] += len(prompt)
+        return _Row(index, request.key, prompt, cached if reuse > 0 else None, reuse)
+
+    def _attach_shared_prefix(self, rows: list[_Row]) -> None:
+        """Point rows that reuse little of their own episode at the shared prefix, prefilling (or
+        extending) it first when several new episodes share a long enough start."""
+        fresh = [row for row in rows if row.reuse < self.min_shared_prefix]
+        if len(fresh) >= 2:
+            first = fresh[0].prompt
+            length = min(len(row.prompt) for row in fresh) - 1
+            for row in fresh[1:]:
+                length = min(length, _common_prefix_len(first, row.prompt))
+            if length >= self.min_shared_prefix:
+                self._ensure_prefix(first[:length])
+        prefix = self._prefix
+        if prefix is None:
+            return
+        for row in rows:
+            reuse = min(_common_prefix_len(row.prompt, prefix.tokens), len(row.prompt) - 1)
+            if reuse >= self.min_shared_prefix and reuse > row.reuse:
+                row.source, row.reuse = prefix, reuse
+
+    def _ensure_prefix(self, tokens: list[int]) -> None:
+        old = self._prefix
+        if old is not None and old.tokens[:len(tokens)] == tokens:
+            return  # already cached (possibly longer: rows reuse only what they share)
+        rows = [_Row(-1, "", tokens + [self.pad_id], None, 0)]  # the extra token is never fed
+        if old is not None:
+            reuse = _common_prefix_len(tokens, old.tokens)
+            if reuse > 0:
+                rows[0].source, rows[0].reuse = old, reuse
+        start = time.perf_counter()
+        cache, mask = self._prefill(rows, extra_columns=0, keep_last=False)
+        self.stats["prefill_s"] += time.perf_counter() - start
+        block = _Block([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+                       mask.cpu())
+        self._prefix = _Cached(tokens, block, 0)
+
+    # ---- prefill ----
+
+    def _prefill(self, rows: list[_Row], extra_columns: int, keep_last: bool = True):
+        """Build the slab for `rows`: gather their reused KV, then run the model on the rest.
+
+        Returns (cache, device mask [rows, capacity]) and, with keep_last, the logits after each
+        prompt. With keep_last=False the last prompt token is not fed (used for the prefix).
+        """
+        device, dtype = self.device, next(self.model.parameters()).dtype
+        n = len(rows)
+        past = max(row.reuse for row in rows)
+        suffixes = [row.prompt[row.reuse:] if keep_last else row.prompt[row.reuse:-1] for row in rows]
+        width = max(len(s) for s in suffixes)
+        capacity = past + width + extra_columns
+        shape = (n, self._kv_heads, capacity, self._head_dim)
+        layers = [_SlabLayer(torch.zeros(shape, dtype=dtype, device=device),
+                             torch.zeros(shape, dtype=dtype, device=device), past)
+                  for _ in range(self._layers)]
+        cache = _SlabCache(layers)
+        mask = torch.zeros(n, capacity, dtype=torch.bool)
+        self._gather_past(rows, layers, mask, past)
+
+        # The suffix, right-aligned in columns [past, past + width).
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((n, width), dtype=torch.long)
+        for i, (row, suffix) in enumerate(zip(rows, suffixes)):
+            if suffix:
+                ids[i, width - len(suffix):] = torch.tensor(suffix)
+                pos[i, width - len(suffix):] = torch.arange(row.reuse, row.reuse + len(suffix))
+                mask[i, past + width - len(suffix):past + width] = True
+        self.stats["reused_tokens"] += sum(row.reuse for row in rows if row.index >= 0)
+        self.stats["prefilled_tokens"] += sum(len(s) for s in suffixes)
+        mask_dev = mask.to(device)
+        ids, pos = ids.to(device), pos.to(device)
+        step = max(1, self.prefill_tokens // n)
+        logits = None
+        for lo in range(0, width, step):
+            hi = min(width, lo + step)
+            out = self.model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi],
+                             attention_mask=mask_dev[:, :past + hi], past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1]
+        if keep_last:
+            return cache, mask_dev, logits.float()
+        return cache, mask_dev
+
+    def _gather_past(self, rows: list[_Row], layers: list[_SlabLayer], mask: torch.Tensor, past: int) -> None:
+        """Copy each row's reused KV into columns [past - reuse, past) of its slab row."""
+        by_block: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            if row.source is not None and row.reuse > 0:
+                by_block.setdefault(id(row.source.block), []).append(i)
+        device = self.device
+        for members in by_block.values():
+            block = rows[members[0]].source.block
+            width = max(rows[i].reuse for i in members)
+            src_rows = torch.tensor([rows[i].source.row for i in members])
+            src_cols = torch.zeros(len(members), width, dtype=torch.long)
+            for j, i in enumerate(members):
+                reuse = rows[i].reuse
+                cols = block.mask[rows[i].source.row].nonzero()[:reuse, 0]
+                src_cols[j, width - reuse:] = cols
+                src_cols[j, :width - reuse] = cols[0]  # any real column; masked out below
+                mask[i, past - reuse:past] = True
+            src_rows, src_cols = src_rows.to(device)[:, None], src_cols.to(device)
+            dst_rows = torch.tensor(members, device=device)[:, None]
+            dst_cols = torch.arange(past - width, past, device=device)[None, :]
+            for layer, keys, values in zip(layers, block.keys, block.values):
+                # [members, width, kv_heads, head_dim] -> slab[dst_rows, :, dst_cols]
+                layer.k_slab[dst_rows, :, dst_cols] = keys[src_rows, :, src_cols]
+                layer.v_slab[dst_rows, :, dst_cols] = values[src_rows, :, src_cols]
+
+    # ---- decode ----
+
+    def _run_chunk(self, rows: list[_Row], params: SamplingParams, generator) -> list[Completion]:
+        start = time.perf_counter()
+        cache, mask, logits = self._prefill(rows, extra_columns=params.max_new_tokens)
+        self.stats["prefill_s"] += time.perf_counter() - start
+        start = time.perf_counter()
+        device = self.device
+        n = len(rows)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finish: list[str] = ["length"] * n
+        stop_check = self._stop_checker(params.stop)
+        batch = list(range(n))  # the chunk row in each batch row
+        alive = [True] * n  # per batch row: still generating
+        pos = torch.tensor([len(row.prompt) for row in rows], device=device)[:, None]
+        column = cache.layers[0].length  # next slab column to fill
+        for step in range(params.max_new_tokens):
+            token, logprob = _sample(logits, params, generator)
+            token_list, logprob_list = token.tolist(), logprob.tolist()
+            newly_finished = False
+            for b, i in enumerate(batch):
+                if not alive[b]:
+                    continue
+                t = token_list[b]
+                tokens[i].append(t)
+                logprobs[i].append(logprob_list[b])
+                if t in self.eos_ids:
+                    finish[i] = "eos"
+                elif stop_check is not None and stop_check(t, tokens[i]):
+                    finish[i] = "stop"
+                else:
+                    continue
+                alive[b] = False
+                newly_finished = True
+            if step == params.max_new_tokens - 1 or not any(alive):
+                break
+            if newly_finished:
+                dead = [b for b in range(len(batch)) if not alive[b]]
+                if len(dead) >= max(1, int(self.drop_fraction * len(batch))):
+                    # Keep the finished rows' KV aside and continue with the others only.
+                    self._store(rows, tokens, [batch[b] for b in dead], cache, mask, column, dead)
+                    keep = torch.tensor([b for b in range(len(batch)) if alive[b]], device=device)
+                    cache.batch_select_indices(keep)
+                    mask, pos, token = mask[keep], pos[keep], token[keep]
+                    batch = [batch[b] for b in keep.tolist()]
+                    alive = [True] * len(batch)
+                    mask[:, column] = True
+                else:
+                    mask[:, column] = torch.tensor(alive, device=device)
+            else:
+                mask[:, column] = True
+            out = self.model(input_ids=token[:, None], position_ids=pos, attention_mask=mask[:, :column + 1],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1].float()
+            pos += 1
+            column += 1
+            self.stats["decode_steps"] += 1
+        self._store(rows, tokens, batch, cache, mask, column, None)
+        self.stats["decode_s"] += time.perf_counter() - start
+        completions = []
+        for i in range(n):
+            self.stats["generated_tokens"] += len(tokens[i])
+            text = self.tokenizer.decode(tokens[i], skip_special_tokens=True)
+            completions.append(Completion(tokens[i], text, logprobs[i], finish[i]))
+        return completions
+
+    def _store(self, rows, tokens, members, cache, mask, column, batch_rows) -> None:
+        """Remember, per finished row, the tokens whose KV is cached (prompt + completion minus its
+        last token, never fed) and where: batch rows `batch_rows` of the slab (copied out), or the
+        whole slab (viewed, batch_rows None)."""
+        if batch_rows is None:
+            keys = [layer.k_slab[:, :, :column] for layer in cache.layers]
+            values = [layer.v_slab[:, :, :column] for layer in cache.layers]
+            block = _Block(keys, values, mask[:, :column].cpu())
+        else:
+            index = torch.tensor(batch_rows, device=self.device)
+            keys = [layer.k_slab[:, :, :column].index_select(0, index) for layer in cache.layers]
+            values = [layer.v_slab[:, :, :column].index_select(0, index) for layer in cache.layers]
+            block = _Block(keys, values, mask[index, :column].cpu())
+        for slab_row, i in enumerate(members):
+            self._episodes[rows[i].key] = _Cached(rows[i].prompt + tokens[i][:-1], block, slab_row)
+
+    # ---- helpers ----
+
+    def _stop_checker(self, stops: tuple[str, ...]):
+        """A function (token, completion so far) -> True when the completion now contains a stop string."""
+        stops = tuple(s for s in stops if s)
+        if not stops:
+            return None
+        if stops not in self._stop_filters:
+            self._stop_filters[stops] = _tokens_containing(self.tokenizer, {s[-1] for s in stops})
+        candidates = self._stop_filters[stops]
+        tail = max(len(s) for s in stops) + 2
+        decode = self.tokenizer.decode
+
+        def check(token: int, completion: list[int]) -> bool:
+            if candidates is not None and token not in candidates:
+                return False
+            text = decode(completion[-tail:], skip_special_tokens=True)
+            return any(s in text for s in stops)
+
+        return check
+
+    def _weights_fingerprint(self) -> tuple[int, int]:
+        version = ptr = 0
+        for p in self.model.parameters():
+            version += p._version
+            ptr += p.data_ptr()
+        return version, ptr
+
+
+# ---- functions ---------------------------------------------------------------------------
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return it and its log-prob under the distribution sampled from.
+
+    temperature 0 is greedy; its log-prob is then that of the untempered model distribution.
+    """
+    if params.temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(dim=-1)
+    else:
+        scaled = logits / params.temperature
+        if params.top_p < 1.0:
+            scaled = _top_p_filter(scaled, params.top_p)
+        logp = torch.log_softmax(scaled, dim=-1)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    return token, logp.gather(1, token[:, None]).squeeze(1)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo = 0
+    step = 256
+    while lo + step <= n and a[lo:lo + step] == b[lo:lo + step]:
+        lo += step
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+def _tokens_containing(tokenizer, chars: set[str]) -> frozenset[int] | None:
+    """Ids of the tokens whose text contains one of `chars` (only tokens that can complete a stop
+    string need a check); None (check every token) when a char is not ASCII, since byte-level
+    tokens may split it."""
+    if any(ord(c) > 127 for c in chars):
+        return None
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True)
+    return frozenset(i for i, text in enumerate(texts) if any(c in text for c in chars))
+
+
+def _end_token_ids(model, tokenizer) -> frozenset[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif config_eos:
+        ids.update(config_eos)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return frozenset(ids)

@@ -1,0 +1,69 @@
+"""The paper's random-action baseline: no model, random actions wrapped in the response format.
+
+Each completion is what follows the generation prefix ``<think>``: fixed reasoning text and
+``actions_per_turn`` actions drawn by the game's own ``sample_action``. In world-model mode the
+``<observation>`` and ``<prediction>`` tags are left empty; ``spa clean`` fills them with the true
+states, which turns these episodes into the paper's RandSFT data.
+
+Each episode draws from its own generator, seeded from (seed, key, turn) with a stable hash, so
+an episode's actions do not depend on which other episodes share its batch or on their order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from stages.backends.base import Completion, GenerationRequest, SamplingParams
+from stages.errors import UserError
+
+# The fixed reasoning sentence per game ("I will push the box to the target." is the paper's).
+REASONS = {
+    "sokoban": "I will push the box to the target.",
+    "frozen_lake": "I will walk around the holes to the goal.",
+    "sudoku": "I will fill an empty cell with a number that fits.",
+}
+DEFAULT_REASON = "I will move toward the goal."
+PROMPT_MODES = ("world_model", "base")
+
+
+class RandomBackend:
+    name = "random"
+
+    def __init__(self, prompt_mode: str = "world_model", seed: int = 0, actions_per_turn: int = 3):
+        if prompt_mode not in PROMPT_MODES:
+            raise UserError(f"prompt_mode must be one of {', '.join(PROMPT_MODES)}, got {prompt_mode!r}")
+        if actions_per_turn < 1:
+            raise UserError(f"the random backend needs at least 1 action per turn, got {actions_per_turn}")
+        self.prompt_mode = prompt_mode
+        self.seed = seed
+        self.actions_per_turn = actions_per_turn
+        self._turns: dict[str, int] = {}  # calls seen per key, so each turn draws fresh actions
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+        return [self._complete(request) for request in requests]
+
+    def release(self, keys: list[str]) -> None:
+        for key in keys:
+            self._turns.pop(key, None)
+
+    def _complete(self, request: GenerationRequest) -> Completion:
+        env = request.env
+        if env is None:
+            raise ValueError(f"the random backend needs the env of request {request.key!r}")
+        turn = self._turns.get(request.key, 0)
+        self._turns[request.key] = turn + 1
+        rng = random.Random(_stable_seed(self.seed, request.key, turn))
+        actions = " || ".join(env.sample_action(rng) for _ in range(self.actions_per_turn))
+        reason = REASONS.get(env.name, DEFAULT_REASON)
+        if self.prompt_mode == "world_model":
+            think = f" <observation></observation> {reason} <prediction></prediction>"
+        else:
+            think = f" {reason}"
+        return Completion(token_ids=[], text=f"{think} </think> <answer> {actions} </answer>", logprobs=None,
+                          finish_reason="stop")
+
+
+def _stable_seed(seed: int, key: str, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}\x00{key}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")

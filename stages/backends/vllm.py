@@ -1,0 +1,130 @@
+"""Generation with vLLM (CUDA only): offline `vllm.LLM`, token ids in, token ids out.
+
+vLLM's prefix caching plays the role of the HF backend's KV reuse: every turn re-sends the whole
+conversation and the engine finds the cached blocks itself, so `release` has nothing to free.
+Log-probs are those of the distribution actually sampled from (``logprobs_mode=
+"processed_logprobs"``: after temperature and top-p) where the installed vLLM supports it.
+
+After a PPO update, `load_weights(actor.named_parameters())` pushes the new weights into the
+engine (in-process when the engine runs in this process, else through `collective_rpc`) and drops
+the prefix cache, whose blocks were computed by the old weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+
+from stages.backends.base import Completion, GenerationRequest, SamplingParams
+from stages.errors import UserError
+
+INSTALL_HINT = "the vllm backend needs a CUDA GPU and vLLM: pip install 'spa[gpu]'"
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model_path: str, tokenizer=None, dtype: str = "auto", gpu_memory_utilization: float = 0.6,
+                 seed: int = 0, max_model_len: int | None = None, trust_remote_code: bool = False):
+        # The engine core in this process, so that load_weights can reach the model directly
+        # (what TRL's colocated mode does); an explicit user setting wins.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            import vllm
+        except ImportError:
+            raise UserError(INSTALL_HINT) from None
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("the vllm backend needs a CUDA GPU and none is visible; use rollout.backend=hf")
+        self._vllm = vllm
+        if dtype == "auto":
+            dtype = "bfloat16"  # what stages.models loads on GPU; a float32 checkpoint would stay float32
+        kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype,
+                      gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=True,
+                      max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+        self.logprobs_mode = "processed_logprobs"
+        try:
+            self.llm = vllm.LLM(**kwargs, logprobs_mode=self.logprobs_mode)
+        except TypeError:  # vLLM older than 0.10.2: log-probs of the raw model distribution
+            self.logprobs_mode = "raw_logprobs"
+            self.llm = vllm.LLM(**kwargs)
+        self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
+        from stages.backends.hf import _end_token_ids
+
+        self.eos_ids = sorted(_end_token_ids(None, self.tokenizer))
+
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+        if not requests:
+            return []
+        vllm = self._vllm
+        prompts, sampling = [], []
+        for request in requests:
+            prompts.append(_tokens_prompt(vllm, request.prompt_ids))
+            # One seed per request: the same seed for a group's identical prompts would make
+            # identical samples.
+            sampling.append(vllm.SamplingParams(
+                n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+                stop=list(params.stop), stop_token_ids=self.eos_ids, include_stop_str_in_output=True,
+                logprobs=0, seed=_request_seed(params.seed, request.key),
+            ))
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        return [_completion(output.outputs[0]) for output in outputs]
+
+    def release(self, keys: list[str]) -> None:
+        """Nothing to free: vLLM's prefix cache evicts blocks by itself."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        """Copy updated weights (Hugging Face parameter names) into the engine's model."""
+        weights = [(name, tensor.detach()) for name, tensor in named_tensors]
+        model = self._local_model()
+        if model is not None:
+            model.load_weights(weights=weights)
+        else:
+            weights = [(name, tensor.to("cpu")) for name, tensor in weights]
+            self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
+
+    def _local_model(self):
+        """The engine's torch model when the engine runs in this process, else None."""
+        engine = self.llm.llm_engine
+        for path in ("model_executor", "engine_core.engine_core.model_executor"):
+            executor = engine
+            for attr in path.split("."):
+                executor = getattr(executor, attr, None)
+            worker = getattr(executor, "driver_worker", None)
+            worker = getattr(worker, "worker", worker)  # V1 wraps the worker
+            runner = getattr(worker, "model_runner", None)
+            if runner is not None and hasattr(runner, "model"):
+                return runner.model
+        return None
+
+
+def _load_weights_on_worker(worker, weights) -> None:
+    """Runs inside each vLLM worker process (collective_rpc passes the worker first)."""
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+def _tokens_prompt(vllm, ids: list[int]):
+    tokens_prompt = getattr(getattr(vllm, "inputs", None), "TokensPrompt", None)
+    return tokens_prompt(prompt_token_ids=list(ids)) if tokens_prompt else {"prompt_token_ids": list(ids)}
+
+
+def _request_seed(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _completion(output) -> Completion:
+    token_ids = list(output.token_ids)
+    logprobs = None
+    if output.logprobs is not None:
+        logprobs = [float(step[token].logprob) for token, step in zip(token_ids, output.logprobs)]
+    if output.finish_reason == "length":
+        reason = "length"
+    elif isinstance(output.stop_reason, str):
+        reason = "stop"  # a stop string
+    else:
+        reason = "eos"  # EOS or an end-of-turn token (stop_reason None or the token id)
+    return Completion(token_ids, output.text, logprobs, reason)

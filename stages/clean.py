@@ -1,0 +1,307 @@
+"""`spa clean`: trajectories.jsonl -> SFT rows with the true states filled in (reference notes §3).
+
+Ground-truth replacement, as SPA's `convert_to_sft_format_add_worldmodel`: in assistant turn t,
+the content of every `<observation>…</observation>` becomes the state text shown in that turn's
+user message (`turns[t].state`), and the content of every `<prediction>…</prediction>` the state
+after all the actions that turn executed (`turns[t].next_state`; the same as the observation when
+nothing ran, and the realised state for slippery FrozenLake). The reasoning and the answer stay
+verbatim. Earlier assistant turns in a row's context carry the true states too.
+
+Options (`clean.*`):
+
+* `states: self_belief` keeps the model's own states (the paper's Table 3 ablation).
+* `random_coordinates` rewrites every "(r,c)" of the substituted states with random numbers in the
+  same format (the Fig. 5 ablation). Our choice of range: each number is drawn from the smallest
+  to the largest coordinate number seen in that env's states in the input, so coordinates stay on
+  the board. One state gets one random rewrite, so turn t's prediction and turn t+1's observation
+  still agree. The user messages keep the true states.
+* `filter_format`: SPA's `filter_sft_by_tag.py` check per assistant message (`parsing.well_formed`):
+  think before answer, and in world-model mode an observation before a prediction inside think.
+  A failing turn is kept as context with `"train": false` in trajectory rows, and dropped in turn
+  rows.
+* `dedup`: rows with identical messages (and loss flags) are kept once.
+* `success_only`: keep successful episodes only (SPA has this filter commented out).
+* The train/validation split is by trajectory (`val_fraction`, seeded), so no episode has turns on
+  both sides; SPA splits rows, which lets turns of one episode land in both. Output:
+  `clean.out` and `artifacts.val_path(clean.out)`.
+
+Rows (what `spa sft` reads)::
+
+    {"id", "source_id", "env", "seed", "success",
+     "messages": [{"role", "content"} ... assistant messages also have "train": true|false]}
+
+`unit: trajectory` gives one row per episode with every (well-formed) assistant message trained;
+`unit: turn` gives SPA's one row per assistant turn: the prior chat as context, the turn trained.
+The two give the same loss terms; the first is several times cheaper to train on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from stages import artifacts
+from stages.config import SPAConfig, to_dict
+from stages.errors import UserError
+from stages.parsing import well_formed
+
+_FLAGS = re.DOTALL | re.IGNORECASE
+_OBSERVATION = re.compile(r"(<\s*observation\s*>)(.*?)(<\s*/\s*observation\s*>)", _FLAGS)
+_PREDICTION = re.compile(r"(<\s*prediction\s*>)(.*?)(<\s*/\s*prediction\s*>)", _FLAGS)
+_COORDINATE = re.compile(r"\((\d+),(\s*)(\d+)\)")
+
+REQUIRED = ("id", "messages", "turns")
+
+
+def run(config: SPAConfig) -> dict[str, Any]:
+    """Clean `clean.data` into `clean.out` (+ its .val file); return and print the counts."""
+    options = config.clean
+    check_options(config)
+    rows, bad_lines = artifacts.read_jsonl(options.data, skip_bad=options.skip_bad, required=REQUIRED)
+    result = clean_trajectories(rows, config)
+    result.dropped_trajectories["bad_line"] = bad_lines
+
+    out = Path(options.out)
+    val_out = artifacts.val_path(out)
+    artifacts.write_jsonl(out, result.train)
+    artifacts.write_jsonl(val_out, result.val)
+    summary = {
+        "out": str(out), "val_out": str(val_out),
+        "trajectories": len(rows) + bad_lines,
+        "rows": len(result.train) + len(result.val),
+        "train_rows": len(result.train),
+        "val_rows": len(result.val),
+        "unit": options.unit,
+        "dropped_trajectories": dict(result.dropped_trajectories),
+        "dropped_rows": dict(result.dropped_rows),
+        "untrained_turns": result.untrained_turns,
+    }
+    artifacts.write_manifest(out, {**artifacts.manifest("clean", to_dict(config), {"data": options.data}),
+                                   "summary": summary})
+    print_summary(summary)
+    return summary
+
+
+def check_options(config: SPAConfig) -> None:
+    options = config.clean
+    if not 0 <= options.val_fraction < 1:
+        raise UserError(f"clean.val_fraction must be in [0, 1), got {options.val_fraction}")
+    if options.random_coordinates and options.states != "ground_truth":
+        raise UserError("clean.random_coordinates rewrites the substituted states; it needs "
+                        "clean.states=ground_truth")
+    if Path(options.out).is_dir():
+        raise UserError(f"clean.out ({options.out}) is a directory; give a .jsonl file path")
+    if Path(options.out).resolve() == Path(options.data).resolve():
+        raise UserError(f"clean.out ({options.out}) would overwrite the input; choose another path")
+
+
+@dataclass
+class CleanResult:
+    train: list[dict]
+    val: list[dict]
+    dropped_trajectories: Counter
+    dropped_rows: Counter
+    untrained_turns: int
+
+
+def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResult:
+    """The whole stage on rows in memory: replacement, filters, rows, dedup, split."""
+    options = config.clean
+    dropped_trajectories: Counter = Counter({"malformed": 0, "not_success": 0})
+    dropped_rows: Counter = Counter({"format": 0, "duplicate": 0})
+    coordinates = _CoordinateRandomizer(trajectories, options.seed) if options.random_coordinates else None
+    rows: list[dict] = []
+    for trajectory in trajectories:
+        problem = trajectory_problem(trajectory)
+        if problem is not None:
+            dropped_trajectories["malformed"] += 1
+            continue
+        if options.success_only and not trajectory.get("success"):
+            dropped_trajectories["not_success"] += 1
+            continue
+        messages = substitute_states(trajectory, options.states, coordinates)
+        trained = _trained_flags(messages, trajectory, options.filter_format)
+        if options.unit == "trajectory":
+            row = trajectory_row(trajectory, messages, trained)
+            if row is None:
+                dropped_rows["format"] += 1
+            else:
+                rows.append(row)
+        else:
+            dropped_rows["format"] += sum(not flag for flag in trained)
+            rows.extend(turn_rows(trajectory, messages, trained))
+    if options.dedup:
+        rows, duplicates = deduplicate(rows)
+        dropped_rows["duplicate"] += duplicates
+    train, val = split_by_trajectory(rows, options.val_fraction, options.seed)
+    # Malformed turns kept as context of a trajectory row (in turn rows only the last message trains).
+    untrained = 0 if options.unit == "turn" else sum(
+        m["role"] == "assistant" and not m["train"] for row in rows for m in row["messages"])
+    return CleanResult(train, val, dropped_trajectories, dropped_rows, untrained)
+
+
+def trajectory_problem(trajectory: dict) -> str | None:
+    """Why a trajectory line cannot be cleaned (None if it can): one assistant message per turn."""
+    messages, turns = trajectory.get("messages"), trajectory.get("turns")
+    if not isinstance(messages, list) or not isinstance(turns, list):
+        return "messages and turns must be lists"
+    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        return "a message without text content"
+    assistants = sum(m.get("role") == "assistant" for m in messages)
+    if assistants != len(turns) or not turns:
+        return f"{assistants} assistant messages for {len(turns)} turns"
+    texts = (t.get(key) if isinstance(t, dict) else None for t in turns for key in ("state", "next_state"))
+    if not all(isinstance(text, str) for text in texts):
+        return "a turn without state text"
+    return None
+
+
+# ---- ground-truth replacement ----------------------------------------------------------------------
+
+
+def substitute_states(trajectory: dict, states: str = "ground_truth",
+                      coordinates: _CoordinateRandomizer | None = None) -> list[dict[str, str]]:
+    """The trajectory's messages with assistant turn t's states replaced (every occurrence)."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in trajectory["messages"]]
+    if states == "self_belief":
+        return messages
+    turns = trajectory["turns"]
+    t = 0
+    for message in messages:
+        if message["role"] != "assistant":
+            continue
+        observation, prediction = turns[t]["state"], turns[t]["next_state"]
+        if coordinates is not None:
+            observation = coordinates.rewrite(trajectory, t, observation)
+            prediction = coordinates.rewrite(trajectory, t + 1, prediction)
+        message["content"] = replace_states(message["content"], observation, prediction)
+        t += 1
+    return messages
+
+
+def replace_states(content: str, observation: str, prediction: str) -> str:
+    """Every observation and prediction tag's content replaced, the tags themselves kept as written."""
+    # Functions, not replacement strings: a state may hold backslashes.
+    content = _OBSERVATION.sub(lambda m: m.group(1) + observation + m.group(3), content)
+    return _PREDICTION.sub(lambda m: m.group(1) + prediction + m.group(3), content)
+
+
+class _CoordinateRandomizer:
+    """Random coordinates in the states' own "(r,c)" format, one draw per state of a trajectory."""
+
+    def __init__(self, trajectories: list[dict], seed: int):
+        self.seed = seed
+        numbers: dict[str, list[int]] = {}
+        for trajectory in trajectories:
+            for turn in trajectory.get("turns") or []:
+                for text in (turn.get("state"), turn.get("next_state")) if isinstance(turn, dict) else ():
+                    if isinstance(text, str):
+                        found = numbers.setdefault(str(trajectory.get("env")), [])
+                        for match in _COORDINATE.finditer(text):
+                            found += [int(match.group(1)), int(match.group(3))]
+        self.ranges = {env: (min(found), max(found)) for env, found in numbers.items() if found}
+
+    def rewrite(self, trajectory: dict, index: int, state: str) -> str:
+        """State number `index` of the trajectory (0 is the first observation) with random coordinates."""
+        low, high = self.ranges.get(str(trajectory.get("env")), (0, 0))
+        rng = random.Random(f"{self.seed}-{trajectory['id']}-{index}")
+        def draw(match: re.Match[str]) -> str:
+            return f"({rng.randint(low, high)},{match.group(2)}{rng.randint(low, high)})"
+        return _COORDINATE.sub(draw, state)
+
+
+# ---- rows ------------------------------------------------------------------------------------------
+
+
+def _trained_flags(messages: list[dict], trajectory: dict, filter_format: bool) -> list[bool]:
+    """One flag per assistant message: does it pass the format filter (always, without the filter)."""
+    mode = trajectory.get("prompt_mode", "world_model")
+    assistants = [m["content"] for m in messages if m["role"] == "assistant"]
+    return [not filter_format or well_formed(content, mode) for content in assistants]
+
+
+def _row(trajectory: dict, row_id: str, messages: list[dict]) -> dict:
+    return {"id": row_id, "source_id": trajectory["id"], "env": trajectory.get("env"),
+            "seed": trajectory.get("seed"), "success": bool(trajectory.get("success")), "messages": messages}
+
+
+def _with_flags(messages: list[dict], trained: list[bool], upto: int | None = None) -> list[dict]:
+    """Messages with "train" on assistant ones: `trained[t]`, or only turn `upto` if given."""
+    out, t = [], 0
+    for message in messages:
+        if message["role"] == "assistant":
+            flag = trained[t] if upto is None else t == upto
+            out.append({**message, "train": flag})
+            t += 1
+        else:
+            out.append(dict(message))
+    return out
+
+
+def trajectory_row(trajectory: dict, messages: list[dict], trained: list[bool]) -> dict | None:
+    """One row for the episode, every passing assistant message trained; None if none passes."""
+    if not any(trained):
+        return None
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return _row(trajectory, trajectory["id"], _with_flags(messages[:last + 1], trained))
+
+
+def turn_rows(trajectory: dict, messages: list[dict], trained: list[bool]) -> list[dict]:
+    """SPA's rows: for each passing assistant turn t, the chat up to it with only turn t trained."""
+    rows, t = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if trained[t]:
+            row_id = f"{trajectory['id']}-turn{t + 1}"
+            rows.append(_row(trajectory, row_id, _with_flags(messages[:i + 1], trained, t)))
+        t += 1
+    return rows
+
+
+def deduplicate(rows: list[dict]) -> tuple[list[dict], int]:
+    """Rows with the same messages (content and loss flags) kept once, the first one."""
+    seen: set[str] = set()
+    kept = []
+    for row in rows:
+        key = json.dumps(row["messages"], ensure_ascii=False, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            kept.append(row)
+    return kept, len(rows) - len(kept)
+
+
+def split_by_trajectory(rows: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """A seeded split of the source trajectories; every row follows its trajectory."""
+    sources = sorted({row["source_id"] for row in rows})
+    random.Random(seed).shuffle(sources)
+    val_sources = set(sources[:round(len(sources) * val_fraction)])
+    train = [row for row in rows if row["source_id"] not in val_sources]
+    val = [row for row in rows if row["source_id"] in val_sources]
+    return train, val
+
+
+def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    dropped = {**summary["dropped_trajectories"], **{f"{k} ({summary['unit']} rows)": v
+                                                     for k, v in summary["dropped_rows"].items()}}
+    console.print(
+        f"clean: kept {summary['rows']} {summary['unit']} rows (train {summary['train_rows']}, "
+        f"val {summary['val_rows']}) from {summary['trajectories']} trajectories -> {summary['out']}; "
+        "dropped: " + ", ".join(f"{k} {v}" for k, v in dropped.items()),
+        highlight=False, markup=False, soft_wrap=True,
+    )
+    if summary["unit"] == "trajectory" and summary["untrained_turns"]:
+        console.print(f"clean: {summary['untrained_turns']} malformed turns kept as context without loss",
+                      highlight=False, markup=False)
+    if summary["rows"] == 0:
+        console.print("clean: warning: no rows kept; a model that never writes the format gives no data "
+                      "(bootstrap with the random backend, or --set clean.filter_format=false)",
+                      highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,226 @@
+"""`spa clean`: exact ground-truth replacement, filters and their counts, split, row units."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from stages import artifacts, clean
+from stages.config import SPAConfig
+from stages.errors import UserError
+
+S0 = "######\n#P_X_#\n######\nPlayer (P) is at (1,1); box (X) is at (1,3)."
+S1 = "######\n#_PX_#\n######\nPlayer (P) is at (1,2); box (X) is at (1,3)."
+S2 = "######\n#__PX#\n######\nPlayer (P) is at (1,3); box (X) is at (1,4)."
+S3 = "######\n#___S#\n######\nPlayer (P) is at (1,4)."
+
+
+def wm(obs: str, thoughts: str, pred: str, answer: str) -> str:
+    return (f"<think> <observation>{obs}</observation> {thoughts} <prediction>{pred}</prediction> </think> "
+            f"<answer>{answer}</answer>")
+
+
+def trajectory(tid: str, turns: list[tuple[str, str, str]], success: bool = False, mode: str = "world_model",
+               seed: int = 1) -> dict:
+    """A trajectory line: turns are (state, response, next_state); messages follow the rollout layout."""
+    messages = [{"role": "system", "content": "You're a helpful assistant. "},
+                {"role": "user", "content": f"Instruction\nTurn 1:\nState:\n{turns[0][0]}\n"}]
+    for k, (_, response, next_state) in enumerate(turns):
+        messages.append({"role": "assistant", "content": response})
+        if k + 1 < len(turns):
+            user = f"Reward:\n-0.1\n\nTurn {k + 2}:\nState:\n{next_state}\n"
+            messages.append({"role": "user", "content": user})
+    return {
+        "id": tid, "env": "sokoban", "seed": seed, "group": 0, "sample": 0, "prompt_mode": mode, "model": "m",
+        "turns": [{"state": s, "response": r, "next_state": n, "format_ok": True} for s, r, n in turns],
+        "messages": messages, "success": success, "total_reward": 0.0, "format_penalty": 0.0,
+    }
+
+
+# A: a two-action turn, a turn with no valid action (several observation tags), a turn that ends
+# the episode mid-turn (upper-case tags).
+A_RESPONSES = [
+    wm("wrong grid", "I push right twice.", "a guess", "Right || Right"),
+    ("<think> <observation>x</observation> hmm <observation>y</observation> <prediction>z</prediction> "
+     "</think> <answer>Jump</answer>"),
+    ("<think> <Observation>o</Observation> last push <PREDICTION>p</PREDICTION> </think> "
+     "<answer>Right || Left</answer>"),
+]
+A = trajectory("sokoban-1-0", [(S0, A_RESPONSES[0], S2), (S2, A_RESPONSES[1], S2), (S2, A_RESPONSES[2], S3)],
+               success=True)
+A_CLEAN = [
+    wm(S0, "I push right twice.", S2, "Right || Right"),
+    (f"<think> <observation>{S2}</observation> hmm <observation>{S2}</observation> "
+     f"<prediction>{S2}</prediction> </think> <answer>Jump</answer>"),
+    (f"<think> <Observation>{S2}</Observation> last push <PREDICTION>{S3}</PREDICTION> </think> "
+     "<answer>Right || Left</answer>"),
+]
+# B: malformed first turn (no answer), well-formed second turn.
+B = trajectory("sokoban-1-1", [(S0, "<think> I go right", S0), (S0, wm("?", "right", "?", "Right"), S1)])
+# C: nothing well-formed.
+C = trajectory("sokoban-2-0", [(S0, "Right", S0)], seed=2)
+# D: the same chat as A under another id.
+D = {**A, "id": "sokoban-1-2"}
+# E: a line whose messages and turns disagree.
+E = {**trajectory("sokoban-3-0", [(S0, wm("a", "b", "c", "Up"), S1)], seed=3), "turns": []}
+
+
+def config_for(tmp_path, trajectories: list[dict], **options) -> SPAConfig:
+    config = SPAConfig()
+    data = tmp_path / "trajectories.jsonl"
+    artifacts.write_jsonl(data, trajectories)
+    config.clean.data, config.clean.out = str(data), str(tmp_path / "sft.jsonl")
+    config.clean.val_fraction = 0.0
+    for key, value in options.items():
+        setattr(config.clean, key, value)
+    return config
+
+
+def read_rows(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def assistant(row: dict) -> list[tuple[str, bool]]:
+    return [(m["content"], m["train"]) for m in row["messages"] if m["role"] == "assistant"]
+
+
+def test_ground_truth_replacement_is_exact():
+    messages = clean.substitute_states(A)
+    assert [m["content"] for m in messages if m["role"] == "assistant"] == A_CLEAN
+    # user messages and the system prompt are untouched
+    def others(chat):
+        return [m for m in chat if m["role"] != "assistant"]
+    assert others(messages) == others(A["messages"])
+    # no valid action: the prediction is the observation
+    assert A_CLEAN[1].count(S2) == 3
+    # self-belief keeps the model's own states
+    assert clean.substitute_states(A, "self_belief") == A["messages"]
+
+
+def test_replacement_text_is_literal():
+    state = r"a\1b \g<0> $"  # would be expanded by a replacement *string*
+    assert clean.replace_states("<observation>x</observation><prediction>y</prediction>", state, "n") == (
+        f"<observation>{state}</observation><prediction>n</prediction>")
+
+
+def test_trajectory_rows_and_counts(tmp_path):
+    config = config_for(tmp_path, [A, B, C, D, E])
+    summary = clean.run(config)
+    rows = read_rows(config.clean.out)
+    assert [row["id"] for row in rows] == ["sokoban-1-0", "sokoban-1-1"]
+    assert rows[0] == {"id": "sokoban-1-0", "source_id": "sokoban-1-0", "env": "sokoban", "seed": 1,
+                       "success": True, "messages": [
+                           *A["messages"][:2], {"role": "assistant", "content": A_CLEAN[0], "train": True},
+                           A["messages"][3], {"role": "assistant", "content": A_CLEAN[1], "train": True},
+                           A["messages"][5], {"role": "assistant", "content": A_CLEAN[2], "train": True}]}
+    # B's malformed first turn stays as context without loss
+    assert assistant(rows[1]) == [("<think> I go right", False), (wm(S0, "right", S1, "Right"), True)]
+    assert summary["dropped_trajectories"] == {"malformed": 1, "not_success": 0, "bad_line": 0}
+    assert summary["dropped_rows"] == {"format": 1, "duplicate": 1}
+    assert summary["untrained_turns"] == 1
+    assert (summary["rows"], summary["train_rows"], summary["val_rows"]) == (2, 2, 0)
+    assert read_rows(artifacts.val_path(config.clean.out)) == []
+    manifest = json.loads((tmp_path / "sft.jsonl.manifest.json").read_text())
+    assert manifest["stage"] == "clean" and manifest["summary"] == summary
+    assert manifest["inputs"]["data"]["sha256"] == artifacts.file_sha256(config.clean.data)
+
+
+def test_turn_rows(tmp_path):
+    config = config_for(tmp_path, [A, B, C, D, E], unit="turn")
+    summary = clean.run(config)
+    rows = read_rows(config.clean.out)
+    assert [row["id"] for row in rows] == ["sokoban-1-0-turn1", "sokoban-1-0-turn2", "sokoban-1-0-turn3",
+                                           "sokoban-1-1-turn2"]
+    assert {row["source_id"] for row in rows} == {"sokoban-1-0", "sokoban-1-1"}
+    # turn 2: the prior chat (with true states) as context, only turn 2 trained, nothing after it
+    assert rows[1]["messages"] == [*A["messages"][:2],
+                                   {"role": "assistant", "content": A_CLEAN[0], "train": False},
+                                   A["messages"][3],
+                                   {"role": "assistant", "content": A_CLEAN[1], "train": True}]
+    assert assistant(rows[3]) == [("<think> I go right", False), (wm(S0, "right", S1, "Right"), True)]
+    assert summary["dropped_rows"] == {"format": 2, "duplicate": 3}  # B turn 1 and C; D's three turns
+    assert summary["untrained_turns"] == 0
+
+
+def test_filters(tmp_path):
+    summary = clean.run(config_for(tmp_path, [A, B, C, D, E], success_only=True))
+    assert summary["dropped_trajectories"]["not_success"] == 2 and summary["rows"] == 1
+    # without the format filter every turn trains and C is kept; without dedup D is kept
+    summary = clean.run(config_for(tmp_path, [A, B, C, D], filter_format=False, dedup=False))
+    rows = read_rows(tmp_path / "sft.jsonl")
+    assert [row["id"] for row in rows] == ["sokoban-1-0", "sokoban-1-1", "sokoban-2-0", "sokoban-1-2"]
+    assert all(train for row in rows for _, train in assistant(row))
+    assert summary["dropped_rows"] == {"format": 0, "duplicate": 0}
+
+
+def test_base_mode_format_filter(tmp_path):
+    base = trajectory("sokoban-4-0", [(S0, "<think> go </think> <answer>Up</answer>", S1)], mode="base")
+    summary = clean.run(config_for(tmp_path, [base]))
+    assert summary["rows"] == 1
+
+
+def test_split_is_by_trajectory(tmp_path):
+    many = [trajectory(f"sokoban-{i}-0", [(S0, wm("a", f"t{i}", "b", "Up"), S1),
+                                          (S1, wm("c", "u", "d", "Up"), S2)], seed=i)
+            for i in range(10)]
+    config = config_for(tmp_path, many, unit="turn", val_fraction=0.3)
+    summary = clean.run(config)
+    train, val = read_rows(config.clean.out), read_rows(artifacts.val_path(config.clean.out))
+    assert (summary["train_rows"], summary["val_rows"]) == (len(train), len(val)) == (14, 6)
+    train_sources, val_sources = {r["source_id"] for r in train}, {r["source_id"] for r in val}
+    assert len(val_sources) == 3 and not train_sources & val_sources
+    # seeded: the same seed gives the same split, another seed (here) another one
+    clean.run(config)
+    assert {r["source_id"] for r in read_rows(artifacts.val_path(config.clean.out))} == val_sources
+    config.clean.seed = 7
+    clean.run(config)
+    assert {r["source_id"] for r in read_rows(artifacts.val_path(config.clean.out))} != val_sources
+
+
+def test_random_coordinates(tmp_path):
+    config = config_for(tmp_path, [A], random_coordinates=True, seed=3)
+    clean.run(config)
+    first = read_rows(config.clean.out)[0]
+    contents = [content for content, _ in assistant(first)]
+    def inner(tag: str, content: str) -> str:
+        return re.search(f"<{tag}>(.*?)</{tag}>", content, re.DOTALL | re.IGNORECASE).group(1)
+    observations = [inner("observation", c) for c in contents]
+    predictions = [inner("prediction", c) for c in contents]
+    truth = [S0, S2, S2]
+    coordinate = re.compile(r"\((\d+),(\d+)\)")
+    for got, true in zip(observations, truth):
+        # same text once the numbers are masked, numbers within the input's range (1..4)
+        assert coordinate.sub("(#,#)", got) == coordinate.sub("(#,#)", true)
+        assert all(1 <= int(n) <= 4 for pair in coordinate.findall(got) for n in pair)
+    assert observations != truth  # (fixed seed: at least one number moved)
+    # one state, one rewrite: turn t's prediction is turn t+1's observation
+    assert predictions[0] == observations[1] and predictions[1] == observations[2]
+    clean.run(config)
+    assert read_rows(config.clean.out)[0] == first  # seeded
+
+
+def test_bad_lines_and_options(tmp_path):
+    config = config_for(tmp_path, [A])
+    with open(config.clean.data, "a", encoding="utf-8") as handle:
+        handle.write("{not json\n")
+    with pytest.raises(UserError, match=r"trajectories.jsonl:2: not valid JSON"):
+        clean.run(config)
+    config.clean.skip_bad = True
+    assert clean.run(config)["dropped_trajectories"]["bad_line"] == 1
+    config.clean.val_fraction = 1.0
+    with pytest.raises(UserError, match="val_fraction"):
+        clean.run(config)
+    config.clean.val_fraction, config.clean.states, config.clean.random_coordinates = 0.0, "self_belief", True
+    with pytest.raises(UserError, match="random_coordinates"):
+        clean.run(config)
+    config.clean.random_coordinates, config.clean.out = False, str(tmp_path)
+    with pytest.raises(UserError, match="is a directory"):
+        clean.run(config)
+    config.clean.out = config.clean.data
+    with pytest.raises(UserError, match="overwrite"):
+        clean.run(config)
+    config.clean.data = str(tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match="does not exist"):
+        clean.run(config)
