@@ -68,6 +68,10 @@ class Turn:
     done: bool  # the episode ended with this turn
     penalty: float = 0.0  # the format penalty charged to this turn (0.0 or rollout.format_penalty)
     finish_reason: str = "stop"  # the backend's: stop, eos, or length
+    # Per parsed action: the game understood it (parse, and the env's action_is_valid when it ran).
+    action_valid: list[bool] = field(default_factory=list)
+    # Per executed action: it changed the state (the env's action_is_effective).
+    action_effective: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -116,7 +120,8 @@ class Episode:
 
     def to_json(self) -> dict[str, Any]:
         turn_keys = ("state", "response", "observation", "prediction", "thoughts", "actions", "executed",
-                     "reward", "next_state", "format_ok", "done", "penalty")
+                     "reward", "next_state", "format_ok", "done", "penalty", "action_valid",
+                     "action_effective")
         return {
             "id": self.id, "env": self.env, "seed": self.seed, "group": self.group, "sample": self.sample,
             "prompt_mode": self.prompt_mode, "model": self.model,
@@ -150,6 +155,8 @@ class TurnResult:
     next_state: str
     penalty: float
     done: bool
+    action_valid: list[bool]
+    action_effective: list[bool]
 
 
 class EnvStateManager:
@@ -198,12 +205,16 @@ class EnvStateManager:
         bad_turn = not parsed.format_ok or not valid or len(valid) < len(parsed.actions)
         penalty = self.rollout.format_penalty if bad_turn else 0.0
 
-        executed, reward = [], 0.0
+        executed, effective, reward = [], [], 0.0
+        understood = {action: True for action in valid}
         terminated = truncated = success = False
         for action in valid[:game.actions_left]:
             game.state, step_reward, terminated, truncated, info = game.env.step(action)
             reward += step_reward  # a running float sum, so the prompt shows SPA's float artifacts
             executed.append(action)
+            effective.append(bool(info.get("action_is_effective")))
+            # Sudoku parses any "r,c,v"; the env then says whether the move was allowed at all.
+            understood[action] = understood[action] and bool(info.get("action_is_valid", True))
             game.actions_left -= 1
             if terminated or truncated:
                 success = terminated and not truncated and bool(info.get("success"))
@@ -213,7 +224,8 @@ class EnvStateManager:
         done = terminated or truncated or out_of_budget or game.turns_played >= self.rollout.max_turns
         episode.success = success
         episode.truncated = truncated or out_of_budget
-        return TurnResult(executed, reward, game.state, penalty, done)
+        action_valid = [action is not None and understood[action] for action in canonical]
+        return TurnResult(executed, reward, game.state, penalty, done, action_valid, effective)
 
     def close(self, episode: Episode) -> None:
         self.games.pop(episode.id, None)
@@ -437,6 +449,7 @@ class AgentProxy:
             thoughts=parsed.thoughts, actions=list(parsed.actions), executed=result.executed,
             reward=result.reward, next_state=result.next_state, format_ok=parsed.format_ok,
             done=result.done, penalty=result.penalty, finish_reason=completion.finish_reason,
+            action_valid=result.action_valid, action_effective=result.action_effective,
         ))
         next_block = None
         if not result.done:

@@ -44,10 +44,14 @@ class CorridorEnv(TextGameEnv):
     def _step(self, action: str) -> tuple[float, bool, bool, dict]:
         name = self.parse_action(action)
         if name is None or self.pos == self.GOAL:
-            return 0.0, self.pos == self.GOAL, False, {"success": self.pos == self.GOAL}
+            return 0.0, self.pos == self.GOAL, False, {"success": self.pos == self.GOAL,
+                                                       "action_is_valid": name is not None,
+                                                       "action_is_effective": False}
+        before = self.pos
         self.pos = min(max(self.pos + (1 if name == "Right" else -1), 0), self.GOAL)
         reward = -0.1 + (1.0 if self.pos == self.GOAL else 0.0)
-        return reward, self.pos == self.GOAL, False, {"success": self.pos == self.GOAL}
+        return reward, self.pos == self.GOAL, False, {"success": self.pos == self.GOAL, "action_is_valid": True,
+                                                      "action_is_effective": self.pos != before}
 
     def render_grid(self) -> str:
         return "".join("P" if i == self.pos else "G" if i == self.GOAL else "_" for i in range(5))
@@ -155,7 +159,8 @@ def state(pos: int) -> str:
 GOAL_STATE = "____P\nPlayer (P) is at (0,4); goal (G) is at (0,4)."
 
 
-def turn(pos, response, actions, executed, reward, next_pos, format_ok=True, done=False, penalty=0.0):
+def turn(pos, response, actions, executed, reward, next_pos, format_ok=True, done=False, penalty=0.0,
+         valid=None, effective=None):
     parsed_ok = format_ok
     return {
         "state": state(pos), "response": "<think>" + response,
@@ -163,18 +168,22 @@ def turn(pos, response, actions, executed, reward, next_pos, format_ok=True, don
         "thoughts": "go" if parsed_ok else None, "actions": actions, "executed": executed,
         "reward": reward, "next_state": GOAL_STATE if next_pos == 4 else state(next_pos),
         "format_ok": format_ok, "done": done, "penalty": penalty,
+        "action_valid": [True] * len(actions) if valid is None else valid,
+        "action_effective": [True] * len(executed) if effective is None else effective,
     }
 
 
 EXPECTED_TURNS = {
     "corridor-10-0": [
         turn(0, SCRIPT["corridor-10-0"][0], ["Right", "right"], ["Right", "Right"], -0.2, 2),
-        turn(2, SCRIPT["corridor-10-0"][1], ["Jump", "Right"], ["Right"], -0.1, 3, penalty=-0.1),
+        turn(2, SCRIPT["corridor-10-0"][1], ["Jump", "Right"], ["Right"], -0.1, 3, penalty=-0.1,
+             valid=[False, True]),
         turn(3, SCRIPT["corridor-10-0"][2], ["Right", "Right"], ["Right"], 0.9, 4, done=True),
     ],
     "corridor-10-1": [
         turn(0, SCRIPT["corridor-10-1"][0], [], [], 0.0, 0, format_ok=False, penalty=-0.1),
-        turn(0, SCRIPT["corridor-10-1"][1], ["Left", "Left"], ["Left", "Left"], -0.2, 0),
+        turn(0, SCRIPT["corridor-10-1"][1], ["Left", "Left"], ["Left", "Left"], -0.2, 0,
+             effective=[False, False]),
         turn(0, SCRIPT["corridor-10-1"][2], ["Right"], ["Right"], -0.1, 1, done=True),
     ],
     "corridor-11-0": [

@@ -1,0 +1,300 @@
+"""The figures `spa eval` reports, as pure functions of trajectory dicts.
+
+Everything here works on the trajectory records that the agent loop writes (one dict per
+episode, see `Episode.to_json` in `stages.rollout`), so a metric can be recomputed from a saved
+``trajectories.jsonl`` without a model, and tested with hand-made records.
+
+Three families:
+
+* **Pass@k** (`pass_at_k`, `mean_pass_at_k`, `pass_at_k_curve`): the unbiased estimator of
+  Chen et al. 2021, averaged over puzzles (seeds).
+* **Episode aggregates** (`episode_metrics`): success rate (= Pass@1), reward, turns, actions,
+  action validity and effectiveness, format-valid rate.
+* **World-model accuracy** (`world_model_metrics`): how often the model's ``<observation>`` equals
+  the state it was shown and its ``<prediction>`` equals the true state after its actions, both
+  exactly and cell by cell on the grid.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+Trajectory = Mapping[str, Any]
+
+# ---- Pass@k ----------------------------------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples succeeds, from n samples
+    of which c succeeded (Chen et al. 2021, "Evaluating Large Language Models Trained on Code").
+
+    The closed form is ``1 - C(n-c, k) / C(n, k)``; this computes it in the numerically stable
+    product form ``1 - prod_{i=n-c+1}^{n} (1 - k/i)``, which is 1 when ``n - c < k`` (every draw
+    of k samples contains a success). At ``k = 1`` it equals ``c / n``.
+
+    Raises ValueError when ``k > n`` (k samples cannot be drawn from n) or the counts are not
+    ``0 <= c <= n``, ``k >= 1``.
+    """
+    if k < 1:
+        raise ValueError(f"pass@k needs k >= 1, got k={k}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n, got n={n}, c={c}")
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per seed, got n={n}")
+    if n - c < k:
+        return 1.0
+    product = 1.0
+    for i in range(n - c + 1, n + 1):
+        product *= 1.0 - k / i
+    return 1.0 - product
+
+
+def mean_pass_at_k(counts: Iterable[tuple[int, int]], k: int) -> float:
+    """Pass@k averaged over puzzles: ``counts`` holds one ``(n, c)`` pair per seed.
+
+    Each seed gets its own estimate from its own n and c; plugging totals over seeds into
+    `pass_at_k` instead would be a different (and wrong) quantity.
+    """
+    counts = list(counts)
+    if not counts:
+        raise ValueError("pass@k needs at least one seed")
+    return sum(pass_at_k(n, c, k) for n, c in counts) / len(counts)
+
+
+def pass_at_k_curve(per_seed: Sequence[Mapping[str, int]]) -> dict[int, float]:
+    """Pass@k for every k from 1 to the smallest n of any seed.
+
+    ``per_seed`` rows are ``{"seed", "n", "successes"}``, as in a report's ``per_seed`` list.
+    """
+    counts = [(row["n"], row["successes"]) for row in per_seed]
+    if not counts:
+        return {}
+    k_max = min(n for n, _ in counts)
+    return {k: mean_pass_at_k(counts, k) for k in range(1, k_max + 1)}
+
+
+def per_seed_counts(trajectories: Iterable[Trajectory]) -> list[dict[str, int]]:
+    """``[{"seed", "n", "successes"}]`` sorted by seed: samples and successes of each puzzle."""
+    table: dict[int, list[int]] = {}
+    for trajectory in trajectories:
+        row = table.setdefault(int(trajectory["seed"]), [0, 0])
+        row[0] += 1
+        row[1] += bool(trajectory["success"])
+    return [{"seed": seed, "n": n, "successes": c} for seed, (n, c) in sorted(table.items())]
+
+
+# ---- episode aggregates ----------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def episode_metrics(trajectories: Sequence[Trajectory],
+                    understands: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Aggregates over episodes; a figure with nothing to average over is None.
+
+    * ``episodes``: number of episodes.
+    * ``success_rate``: mean of ``success`` over all episodes (this is Pass@1).
+    * ``mean_reward``: mean ``total_reward`` as the agent loop records it (the environment's
+      rewards plus the format penalty, the scalar PPO trains on); ``mean_format_penalty``: mean
+      ``format_penalty``, the part of it that is penalty.
+    * ``mean_turns``: model turns per episode; ``mean_actions``: actions executed per episode
+      (the paper's "average actions").
+    * ``action_validity``: share of the actions the model wrote (a turn's ``actions``) that the
+      game understood. Per turn, the first source available decides: the turn's ``action_valid``
+      flags (one per written action); else ``understands(action_text)`` (the game's
+      ``parse_action``, which `spa eval` passes); else, from the record alone, an action counts
+      as understood when it was executed, and a turn that ended the episode (whose later actions
+      were never tried) counts only the actions it executed.
+    * ``action_effectiveness``: share of executed actions that changed the state. Per turn it
+      uses ``action_effective`` flags (one per executed action) when present; otherwise a turn
+      counts as all-effective when its ``next_state`` differs from its ``state`` and
+      all-ineffective when not (exact for one-action turns, an upper bound for longer ones).
+    * ``format_valid_rate``: share of turns with ``format_ok``.
+    """
+    turns = [turn for trajectory in trajectories for turn in trajectory["turns"]]
+    written = understood = executed = effective = 0
+    for turn in turns:
+        actions, done_actions = turn.get("actions") or [], turn.get("executed") or []
+        executed += len(done_actions)
+        valid_flags = turn.get("action_valid")
+        if valid_flags is not None:
+            written += len(valid_flags)
+            understood += sum(map(bool, valid_flags))
+        elif understands is not None:
+            written += len(actions)
+            understood += sum(bool(understands(action)) for action in actions)
+        elif turn.get("done") and len(done_actions) < len(actions):
+            written += len(done_actions)  # the episode ended before the rest were tried
+            understood += len(done_actions)
+        else:
+            written += len(actions)
+            understood += min(len(done_actions), len(actions))
+        effective_flags = turn.get("action_effective")
+        if effective_flags is not None:
+            effective += sum(map(bool, effective_flags))
+        elif done_actions and turn.get("next_state") != turn.get("state"):
+            effective += len(done_actions)
+    return {
+        "episodes": len(trajectories),
+        "success_rate": _mean([float(bool(t["success"])) for t in trajectories]),
+        "mean_reward": _mean([float(t["total_reward"]) for t in trajectories]),
+        "mean_format_penalty": _mean([float(t.get("format_penalty") or 0.0) for t in trajectories]),
+        "mean_turns": _mean([len(t["turns"]) for t in trajectories]),
+        "mean_actions": _mean([sum(len(turn.get("executed") or []) for turn in t["turns"])
+                               for t in trajectories]),
+        "action_validity": _ratio(understood, written),
+        "action_effectiveness": _ratio(effective, executed),
+        "format_valid_rate": _ratio(sum(bool(turn.get("format_ok")) for turn in turns), len(turns)),
+    }
+
+
+# ---- world-model accuracy --------------------------------------------------------------------
+
+
+def normalize_state(text: str) -> str:
+    """A state text with each line stripped and blank lines at either end dropped.
+
+    Exact match compares texts after this: the model may indent lines or leave trailing spaces
+    (Sudoku's board ends with one), which says nothing about its picture of the state.
+    """
+    return "\n".join(line.strip() for line in text.strip().splitlines())
+
+
+def states_match(predicted: str, true: str) -> bool:
+    return normalize_state(predicted) == normalize_state(true)
+
+
+# A coordinate line mentions a zero- or one-indexed "(r,c)" pair, or says Sudoku has none left.
+_COORDINATE_LINE = re.compile(r"\(\s*\d+\s*,\s*\d+\s*\)|no empty position", re.IGNORECASE)
+
+
+def grid_cells(text: str) -> list[list[str]]:
+    """The grid part of a state text as rows of cells.
+
+    The grid part is every non-blank line (stripped) before the first coordinate line (a line
+    with an ``(r,c)`` pair or Sudoku's "No empty positions"); blank lines carry no cells and are
+    skipped. A line starting with ``|`` is a Sudoku board, ``| . 1 2 4 | 4 2 1 3 | ...``: each
+    ``|``-separated segment is a row and its space-separated tokens are the cells. Any other line
+    is one row of one-character cells (Sokoban, FrozenLake).
+    """
+    rows: list[list[str]] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if _COORDINATE_LINE.search(line):
+            break
+        if not line:
+            continue
+        if line.startswith("|"):
+            rows += [segment.split() for segment in line.split("|")[1:]]
+        else:
+            rows.append(list(line))
+    return rows
+
+
+def cell_accuracy(predicted: str, true: str) -> float:
+    """Share of grid cells the predicted state text gets right, against the true state text.
+
+    Rows and columns are compared by position. Every cell position that either grid has is
+    judged, and it is right only when both grids have it and agree; so a missing row or a short
+    row costs the true cells it lacks, and an extra row or a long row costs the cells it adds.
+    Accuracy = right / judged (1.0 when both grids are empty).
+    """
+    pred_rows, true_rows = grid_cells(predicted), grid_cells(true)
+    right = judged = 0
+    for r in range(max(len(pred_rows), len(true_rows))):
+        pred_row = pred_rows[r] if r < len(pred_rows) else []
+        true_row = true_rows[r] if r < len(true_rows) else []
+        judged += max(len(pred_row), len(true_row))
+        right += sum(p == t for p, t in zip(pred_row, true_row))
+    return right / judged if judged else 1.0
+
+
+_WM_KINDS = (("observation", "state"), ("prediction", "next_state"))
+
+
+def world_model_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
+    """Accuracy of the model's own state descriptions, over the turns where it wrote the tag.
+
+    * ``observation`` is compared with the turn's ``state`` (the text it was shown);
+    * ``prediction`` with the turn's ``next_state`` (the true state after the turn's actions).
+
+    For each kind: ``turns`` (turns with the tag), ``coverage`` (their share of all turns),
+    ``exact_match`` (share equal to the truth after `normalize_state`) and ``cell_accuracy``
+    (mean over those turns of `cell_accuracy`); None when no turn has the tag. ``per_turn`` lists
+    the same figures by turn number (1-based), so a reader sees whether accuracy holds up as the
+    episode goes on.
+    """
+    total_turns = sum(len(t["turns"]) for t in trajectories)
+    overall = {kind: _WmTally() for kind, _ in _WM_KINDS}
+    turns_at: dict[int, int] = {}  # turn number -> episodes that reached it
+    by_turn: dict[int, dict[str, _WmTally]] = {}
+    for trajectory in trajectories:
+        for number, turn in enumerate(trajectory["turns"], 1):
+            turns_at[number] = turns_at.get(number, 0) + 1
+            tallies = by_turn.setdefault(number, {kind: _WmTally() for kind, _ in _WM_KINDS})
+            for kind, truth_key in _WM_KINDS:
+                written, truth = turn.get(kind), turn.get(truth_key)
+                if written is None or truth is None:
+                    continue
+                exact, cells = states_match(written, truth), cell_accuracy(written, truth)
+                overall[kind].add(exact, cells)
+                tallies[kind].add(exact, cells)
+    result: dict[str, Any] = {kind: overall[kind].summary(total_turns) for kind, _ in _WM_KINDS}
+    result["per_turn"] = [
+        {"turn": number, "turns": turns_at[number],
+         **{kind: tallies[kind].summary(turns_at[number]) for kind, _ in _WM_KINDS}}
+        for number, tallies in sorted(by_turn.items())
+    ]
+    return result
+
+
+class _WmTally:
+    """Running counts of one world-model figure."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.exact = 0
+        self.cells = 0.0
+
+    def add(self, exact: bool, cells: float) -> None:
+        self.turns += 1
+        self.exact += exact
+        self.cells += cells
+
+    def summary(self, all_turns: int) -> dict[str, Any]:
+        return {
+            "turns": self.turns,
+            "coverage": _ratio(self.turns, all_turns),
+            "exact_match": _ratio(self.exact, self.turns),
+            "cell_accuracy": self.cells / self.turns if self.turns else None,
+        }
+
+
+# ---- everything at once ----------------------------------------------------------------------
+
+
+def summarize(trajectories: Sequence[Trajectory],
+              understands: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Every metric of a report's ``metrics`` section from the episodes (``understands``: see
+    `episode_metrics`).
+
+    ``pass@1`` and the ``pass_at_k`` curve (keys are k as strings, for JSON) come from the
+    per-seed counts; ``pass@1`` equals ``success_rate`` when every seed has the same n.
+    """
+    per_seed = per_seed_counts(trajectories)
+    curve = pass_at_k_curve(per_seed)
+    return {
+        "pass@1": curve.get(1),
+        "pass_at_k": {str(k): value for k, value in curve.items()},
+        **episode_metrics(trajectories, understands),
+        "world_model": world_model_metrics(trajectories),
+    }
+
