@@ -203,6 +203,19 @@ def eval_compare(
     console.print(stage.compare(reports, force=force))
 
 
+@app.command()
+@user_errors
+def pipeline(
+    config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
+    run_dir: Annotated[Optional[str], typer.Option("--dir", help="Run directory.")] = None,
+) -> None:
+    """The whole recipe (generate, clean, sft, ppo, eval) in one run directory; reruns skip
+    completed stages and continue an interrupted one."""
+    from stages import pipeline as stage
+
+    stage.run(_load(config, set_, quiet, pipeline__dir=run_dir))
+
+
 # ---- helpers ----------------------------------------------------------------------------------
 
 

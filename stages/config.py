@@ -120,12 +120,24 @@ class SFTConfig:
     max_length: int = 2048
     #: The paper's masked ablation: no loss on the observation and prediction contents.
     mask_states: bool = False
+    #: Pack several rows into one micro-batch; null: only with flash-attention 2 (see stages/sft_data.py).
+    packing: bool | None = None
+    #: LoRA rank; 0 is a full fine-tune.
     lora_rank: int = 0
     lora_alpha: int = 64
+    #: 0: plain torch, one process, no DeepSpeed; 1-3: DeepSpeed ZeRO stage (CPU or CUDA).
     zero_stage: Literal[0, 1, 2, 3] = 2
+    #: Your own DeepSpeed JSON instead of configs/deepspeed/zero{2,3}.json ("auto" values are filled in).
+    deepspeed_config: str = ""
+    #: CPU optimizer offload (ZeRO-3: parameters too); CUDA only.
     offload: bool = False
     gradient_checkpointing: bool = False
     seed: int = 1
+    #: Also save the resumable state every N optimizer steps (0: at the end of each epoch only).
+    save_every_steps: int = 0
+    #: Stop (resumably) after this many optimizer steps in total; 0 runs every epoch. The schedule
+    #: still spans all epochs, so `--resume` later continues the very same run.
+    stop_after_steps: int = 0
     resume: bool = False
 
 
@@ -133,31 +145,44 @@ class SFTConfig:
 class PPOConfig:
     out: str = "runs/ppo"
     steps: int = 1000
+    #: Constant learning rates (AdamW) of actor and critic.
     actor_lr: float = 1.0e-6
     critic_lr: float = 1.0e-5
+    #: Token-level GAE discount and lambda; 1 and 1 give A_t = R - V_t.
     gamma: float = 1.0
     lam: float = 1.0
+    #: "gae": token-level GAE with the critic (SPA); "bilevel_gae": turn-level GAE then token-level
+    #: inside each turn; "grpo": group-normalised episode score, no critic.
     advantage: Literal["gae", "bilevel_gae", "grpo"] = "gae"
+    #: Discount between turns of the bi-level GAE.
     turn_gamma: float = 0.95
+    #: PPO ratio clip: [1 - clip_low, 1 + clip_high]; the dual clip bounds the loss of negative advantages.
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float = 3.0
+    #: The critic may move at most this far from its rollout-time value (clipped value loss).
     value_clip: float = 0.5
     entropy_coef: float = 0.001
+    #: Weight of the k3 KL to a frozen copy of the initial actor (0: no reference model is kept).
     kl_coef: float = 0.0
     #: Keep this fraction of groups, those with the largest reward std.
     filter_ratio: float = 0.25
+    #: Episodes per optimizer step; must divide the episodes kept per step.
     mini_batch: int = 64
     ppo_epochs: int = 1
     #: "assistant": the model's own tokens (the paper); "all": every token after the system prompt
     #: (SPA's released config).
     loss_mask: Literal["assistant", "all"] = "assistant"
+    #: Padded tokens of one forward/backward (episodes are grouped up to it); bounds memory.
     micro_batch_tokens: int = 4096
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    #: 0: plain torch; 1-2: DeepSpeed ZeRO (CPU or CUDA). 3 is refused: rollouts need the whole actor.
     zero_stage: Literal[0, 1, 2, 3] = 2
     gradient_checkpointing: bool = False
+    #: Validate on the eval seeds every N steps, before training and at the end; 0 turns it off.
     val_every: int = 10
+    #: Write an HF checkpoint step-N/ every N steps (final/ is always written).
     save_every: int = 100
     seed: int = 1
     resume: bool = False
@@ -177,6 +202,18 @@ class EvalConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """`spa pipeline`: every stage in one run directory (see stages/pipeline.py)."""
+
+    dir: str = "runs/pipeline"
+    #: Who plays the self-play data: "model" (the model itself through rollout.backend, as the
+    #: paper) or "random" (random actions, the paper's RandSFT; the bootstrap for weak models).
+    data_policy: Literal["model", "random"] = "model"
+    #: Also evaluate the base model, as a baseline for the SFT and PPO models.
+    baselines: bool = True
+
+
+@dataclass
 class SPAConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,6 +223,7 @@ class SPAConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     #: Show progress bars (off automatically without a terminal).
     quiet: bool = False
 

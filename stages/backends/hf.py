@@ -21,7 +21,8 @@ Columns are filled left to right, the same columns for every row::
 (right-aligned, so the last column is every row's last prompt token), then decoding appends one
 column per step. Padding *in the middle* of a row is harmless: pads are masked out and skipped
 by the position ids, so each real token sees exactly the tokens and positions it would see in a
-from-scratch prefill.
+from-scratch prefill. Rows that finish early leave the batch once enough of them have (their KV
+copied out first, with `batch_select_indices` on the rest), so late steps run narrower.
 
 After a call, each request's key maps to a ``_Cached``: the tokens whose KV is stored (prompt +
 completion minus its last token, which was sampled but never fed) and where they live (a row of
@@ -30,7 +31,9 @@ to it). The next call reuses, per request, the longest prefix its prompt shares 
 
 * its key's cached tokens (the previous turn of the same episode), or
 * the shared prefix: the longest common prefix of the new episodes' prompts (system prompt +
-  instruction), prefilled once at batch 1 and kept across calls,
+  instruction), prefilled once at batch 1 and kept across calls, or
+* an identical prompt of another new episode (the episodes of a group play the same puzzle, so
+  their first prompts are equal): each distinct prompt is prefilled once,
 
 and gathers those columns into the new slab. A prompt that extends nothing cached is prefilled
 from scratch, so reuse only ever saves work: results equal a full prefill of each prompt (up to
@@ -43,6 +46,8 @@ explicitly.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -55,6 +60,7 @@ from stages.errors import UserError
 
 # Chat end-of-turn markers of common model families; the ones in the vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # see HFBackend._native_gqa
 
 
 # ---- cache -------------------------------------------------------------------------------
@@ -150,6 +156,13 @@ class HFBackend:
     in column chunks), which bounds activation memory. ``min_shared_prefix`` is the shortest
     common prefix worth prefilling once for several new episodes. Finished rows leave the batch
     once ``drop_fraction`` of it has finished (their KV is kept aside), so late steps run narrower.
+
+    ``stats`` counts prompt, reused, prefilled and generated tokens, decode steps and seconds
+    spent in prefill and decode (``reset_stats()`` zeroes them), for benchmarks.
+
+    Weight changes are detected by the parameters' version counters (bumped by in-place updates:
+    optimizer steps, ``load_state_dict``). Code that writes through ``.data`` (DeepSpeed does) must
+    call ``reset()`` or ``load_weights()`` after an update.
     """
 
     name = "hf"
@@ -168,10 +181,13 @@ class HFBackend:
         self.drop_fraction = drop_fraction
         config = self.model.config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-        if any(t != "full_attention" for t in layer_types) or getattr(config, "sliding_window", None) and \
-                getattr(config, "use_sliding_window", True):
+        sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        if sliding or any(t != "full_attention" for t in layer_types):
             raise UserError("the hf backend supports full-attention models only (this one has sliding-window "
                             "or other attention layers); use rollout.backend=vllm")
+        # SDPA takes a boolean [rows, 1, 1, columns] mask as is: passing it saves building one per step.
+        self._mask_4d = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+        self._cpu_sdpa = self._mask_4d and self.device.type == "cpu"
         self._layers = config.num_hidden_layers
         self._kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -180,7 +196,6 @@ class HFBackend:
         self._episodes: dict[str, _Cached] = {}
         self._prefix: _Cached | None = None
         self._weights = self._weights_fingerprint()
-        self._stop_filters: dict[tuple[str, ...], frozenset[int] | None] = {}
         self.stats: dict[str, float] = {}
         self.reset_stats()
 
@@ -219,6 +234,18 @@ class HFBackend:
         self._episodes.clear()
         self._prefix = None
 
+    def load_weights(self, named_tensors) -> None:
+        """Same call as the vLLM backend's: copy in weights that are not already the model's own
+        tensors (a live actor's are), then drop the caches computed with the old ones."""
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = own[name]
+                if target.data_ptr() != tensor.data_ptr():
+                    target.copy_(tensor)
+        self.reset()
+        self._weights = self._weights_fingerprint()
+
     def reset_stats(self) -> None:
         self.stats = {"prompt_tokens": 0, "reused_tokens": 0, "prefilled_tokens": 0, "generated_tokens": 0,
                       "decode_steps": 0, "prefill_s": 0.0, "decode_s": 0.0}
@@ -232,7 +259,7 @@ class HFBackend:
     def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rows = [self._plan(i, r) for i, r in enumerate(requests)]
-        self._attach_shared_prefix(rows)
+        self._share_prompts(rows)
         out: list[Completion | None] = [None] * len(requests)
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start:start + self.batch_size]
@@ -249,9 +276,10 @@ class HFBackend:
         self.stats["prompt_tokens"] += len(prompt)
         return _Row(index, request.key, prompt, cached if reuse > 0 else None, reuse)
 
-    def _attach_shared_prefix(self, rows: list[_Row]) -> None:
-        """Point rows that reuse little of their own episode at the shared prefix, prefilling (or
-        extending) it first when several new episodes share a long enough start."""
+    def _share_prompts(self, rows: list[_Row]) -> None:
+        """Let new episodes share work: point rows that reuse little of their own episode at the
+        shared prefix (prefilled, or extended, first when several of them start alike), then
+        prefill each prompt that several rows have in full (a group playing one puzzle) once."""
         fresh = [row for row in rows if row.reuse < self.min_shared_prefix]
         if len(fresh) >= 2:
             first = fresh[0].prompt
@@ -261,28 +289,42 @@ class HFBackend:
             if length >= self.min_shared_prefix:
                 self._ensure_prefix(first[:length])
         prefix = self._prefix
-        if prefix is None:
-            return
-        for row in rows:
-            reuse = min(_common_prefix_len(row.prompt, prefix.tokens), len(row.prompt) - 1)
-            if reuse >= self.min_shared_prefix and reuse > row.reuse:
-                row.source, row.reuse = prefix, reuse
+        if prefix is not None:
+            for row in rows:
+                reuse = min(_common_prefix_len(row.prompt, prefix.tokens), len(row.prompt) - 1)
+                if reuse >= self.min_shared_prefix and reuse > row.reuse:
+                    row.source, row.reuse = prefix, reuse
+        same: dict[tuple[int, ...], list[_Row]] = {}
+        for row in fresh:
+            same.setdefault(tuple(row.prompt), []).append(row)
+        groups = [members for members in same.values()
+                  if len(members) > 1 and members[0].reuse < len(members[0].prompt) - 1]
+        for start in range(0, len(groups), self.batch_size):
+            chunk = groups[start:start + self.batch_size]
+            unique = [_Row(-1, "", g[0].prompt, g[0].source, g[0].reuse) for g in chunk]
+            block = self._prefill_block(unique)
+            for j, members in enumerate(chunk):
+                cached = _Cached(members[0].prompt[:-1], block, j)
+                for row in members:
+                    row.source, row.reuse = cached, len(row.prompt) - 1
+
+    def _prefill_block(self, rows: list[_Row]) -> _Block:
+        """KV of each row's prompt but its last token, as a block (nothing is sampled)."""
+        start = time.perf_counter()
+        cache, mask = self._prefill(rows, extra_columns=0, keep_last=False)
+        self.stats["prefill_s"] += time.perf_counter() - start
+        return _Block([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask.cpu())
 
     def _ensure_prefix(self, tokens: list[int]) -> None:
         old = self._prefix
         if old is not None and old.tokens[:len(tokens)] == tokens:
             return  # already cached (possibly longer: rows reuse only what they share)
-        rows = [_Row(-1, "", tokens + [self.pad_id], None, 0)]  # the extra token is never fed
+        row = _Row(-1, "", tokens + [self.pad_id], None, 0)  # the extra token is never fed
         if old is not None:
             reuse = _common_prefix_len(tokens, old.tokens)
             if reuse > 0:
-                rows[0].source, rows[0].reuse = old, reuse
-        start = time.perf_counter()
-        cache, mask = self._prefill(rows, extra_columns=0, keep_last=False)
-        self.stats["prefill_s"] += time.perf_counter() - start
-        block = _Block([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
-                       mask.cpu())
-        self._prefix = _Cached(tokens, block, 0)
+                row.source, row.reuse = old, reuse
+        self._prefix = _Cached(tokens, self._prefill_block([row]), 0)
 
     # ---- prefill ----
 
@@ -299,8 +341,8 @@ class HFBackend:
         width = max(len(s) for s in suffixes)
         capacity = past + width + extra_columns
         shape = (n, self._kv_heads, capacity, self._head_dim)
-        layers = [_SlabLayer(torch.zeros(shape, dtype=dtype, device=device),
-                             torch.zeros(shape, dtype=dtype, device=device), past)
+        layers = [_SlabLayer(torch.empty(shape, dtype=dtype, device=device),
+                             torch.empty(shape, dtype=dtype, device=device), past)
                   for _ in range(self._layers)]
         cache = _SlabCache(layers)
         mask = torch.zeros(n, capacity, dtype=torch.bool)
@@ -320,39 +362,47 @@ class HFBackend:
         ids, pos = ids.to(device), pos.to(device)
         step = max(1, self.prefill_tokens // n)
         logits = None
-        for lo in range(0, width, step):
-            hi = min(width, lo + step)
-            out = self.model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi],
-                             attention_mask=mask_dev[:, :past + hi], past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1]
+        with self._native_gqa():
+            for lo in range(0, width, step):
+                hi = min(width, lo + step)
+                out = self.model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi],
+                                 attention_mask=mask_dev[:, :past + hi], past_key_values=cache,
+                                 use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1]
         if keep_last:
             return cache, mask_dev, logits.float()
         return cache, mask_dev
 
     def _gather_past(self, rows: list[_Row], layers: list[_SlabLayer], mask: torch.Tensor, past: int) -> None:
-        """Copy each row's reused KV into columns [past - reuse, past) of its slab row."""
+        """Fill columns [0, past) of the slabs: each row's reused KV right-aligned, its padding
+        copied from its first real column (finite values, masked out); rows reusing nothing get
+        zeros. The slabs come from torch.empty, so every column is written before it is read."""
+        if past == 0:
+            return
+        device = self.device
         by_block: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
-            if row.source is not None and row.reuse > 0:
+            if row.source is None:
+                for layer in layers:
+                    layer.k_slab[i, :, :past] = 0
+                    layer.v_slab[i, :, :past] = 0
+            else:
                 by_block.setdefault(id(row.source.block), []).append(i)
-        device = self.device
+                mask[i, past - row.reuse:past] = True
         for members in by_block.values():
             block = rows[members[0]].source.block
-            width = max(rows[i].reuse for i in members)
             src_rows = torch.tensor([rows[i].source.row for i in members])
-            src_cols = torch.zeros(len(members), width, dtype=torch.long)
+            src_cols = torch.empty(len(members), past, dtype=torch.long)
             for j, i in enumerate(members):
                 reuse = rows[i].reuse
                 cols = block.mask[rows[i].source.row].nonzero()[:reuse, 0]
-                src_cols[j, width - reuse:] = cols
-                src_cols[j, :width - reuse] = cols[0]  # any real column; masked out below
-                mask[i, past - reuse:past] = True
+                src_cols[j, past - reuse:] = cols
+                src_cols[j, :past - reuse] = cols[0]
             src_rows, src_cols = src_rows.to(device)[:, None], src_cols.to(device)
             dst_rows = torch.tensor(members, device=device)[:, None]
-            dst_cols = torch.arange(past - width, past, device=device)[None, :]
+            dst_cols = torch.arange(past, device=device)[None, :]
             for layer, keys, values in zip(layers, block.keys, block.values):
-                # [members, width, kv_heads, head_dim] -> slab[dst_rows, :, dst_cols]
+                # keys[src_rows, :, src_cols] is [members, past, kv_heads, head_dim]
                 layer.k_slab[dst_rows, :, dst_cols] = keys[src_rows, :, src_cols]
                 layer.v_slab[dst_rows, :, dst_cols] = values[src_rows, :, src_cols]
 
@@ -408,7 +458,8 @@ class HFBackend:
                     mask[:, column] = torch.tensor(alive, device=device)
             else:
                 mask[:, column] = True
-            out = self.model(input_ids=token[:, None], position_ids=pos, attention_mask=mask[:, :column + 1],
+            attention = mask[:, None, None, :column + 1] if self._mask_4d else mask[:, :column + 1]
+            out = self.model(input_ids=token[:, None], position_ids=pos, attention_mask=attention,
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1].float()
             pos += 1
@@ -441,14 +492,30 @@ class HFBackend:
 
     # ---- helpers ----
 
+    @contextlib.contextmanager
+    def _native_gqa(self):
+        """Let SDPA handle grouped-query attention itself in masked prefills on CPU.
+
+        transformers only does so without a mask; with one it first copies the keys and values
+        once per query head (`repeat_kv`), which for a suffix prefill over a long cached past
+        doubles the attention time on CPU. (On CUDA a masked GQA call could fall back to the
+        math kernel, so there the default stays.) transformers reads this switch per call.
+        """
+        if not self._cpu_sdpa or os.environ.get(FORCE_GQA) is not None:
+            yield
+            return
+        os.environ[FORCE_GQA] = "1"
+        try:
+            yield
+        finally:
+            del os.environ[FORCE_GQA]
+
     def _stop_checker(self, stops: tuple[str, ...]):
         """A function (token, completion so far) -> True when the completion now contains a stop string."""
         stops = tuple(s for s in stops if s)
         if not stops:
             return None
-        if stops not in self._stop_filters:
-            self._stop_filters[stops] = _tokens_containing(self.tokenizer, {s[-1] for s in stops})
-        candidates = self._stop_filters[stops]
+        candidates = _tokens_containing(self.tokenizer, {s[-1] for s in stops})
         tail = max(len(s) for s in stops) + 2
         decode = self.tokenizer.decode
 
@@ -484,8 +551,19 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[to
         if params.top_p < 1.0:
             scaled = _top_p_filter(scaled, params.top_p)
         logp = torch.log_softmax(scaled, dim=-1)
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        token = _sample_categorical(logp.exp(), generator)
     return token, logp.gather(1, token[:, None]).squeeze(1)
+
+
+def _sample_categorical(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One draw per row by inverting the cumulative distribution: one uniform per row (on CPU
+    ~13x faster than torch.multinomial, which draws an exponential per vocabulary entry)."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    # Rounding can land on a zero-probability token at the very end; take the mode then.
+    ok = probs.gather(1, token[:, None]).squeeze(1) > 0
+    return torch.where(ok, token, probs.argmax(dim=-1))
 
 
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -510,14 +588,20 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
+_TOKENS_CONTAINING: dict[tuple, frozenset[int] | None] = {}
+
+
 def _tokens_containing(tokenizer, chars: set[str]) -> frozenset[int] | None:
     """Ids of the tokens whose text contains one of `chars` (only tokens that can complete a stop
     string need a check); None (check every token) when a char is not ASCII, since byte-level
-    tokens may split it."""
+    tokens may split it. Cached per vocabulary: decoding it takes ~0.5 s."""
     if any(ord(c) > 127 for c in chars):
         return None
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True)
-    return frozenset(i for i, text in enumerate(texts) if any(c in text for c in chars))
+    key = (type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), len(tokenizer), frozenset(chars))
+    if key not in _TOKENS_CONTAINING:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True)
+        _TOKENS_CONTAINING[key] = frozenset(i for i, text in enumerate(texts) if any(c in text for c in chars))
+    return _TOKENS_CONTAINING[key]
 
 
 def _end_token_ids(model, tokenizer) -> frozenset[int]:
@@ -529,6 +613,8 @@ def _end_token_ids(model, tokenizer) -> frozenset[int]:
         ids.add(config_eos)
     elif config_eos:
         ids.update(config_eos)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    for token in END_OF_TURN_TOKENS:  # in the vocabulary when the id maps back to the token
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == token:
+            ids.add(token_id)
     return frozenset(ids)

@@ -27,9 +27,6 @@ class VLLMBackend:
 
     def __init__(self, model_path: str, tokenizer=None, dtype: str = "auto", gpu_memory_utilization: float = 0.6,
                  seed: int = 0, max_model_len: int | None = None, trust_remote_code: bool = False):
-        # The engine core in this process, so that load_weights can reach the model directly
-        # (what TRL's colocated mode does); an explicit user setting wins.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
         except ImportError:
@@ -39,11 +36,14 @@ class VLLMBackend:
         if not torch.cuda.is_available():
             raise UserError("the vllm backend needs a CUDA GPU and none is visible; use rollout.backend=hf")
         self._vllm = vllm
+        # The engine core in this process, so that load_weights can reach the model directly
+        # (as TRL's colocated mode does); a setting of the user's wins. vLLM reads it lazily.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if dtype == "auto":
             dtype = "bfloat16"  # what stages.models loads on GPU; a float32 checkpoint would stay float32
-        kwargs = dict(model=model_path, tokenizer=model_path, dtype=dtype,
-                      gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=True,
-                      max_model_len=max_model_len, trust_remote_code=trust_remote_code)
+        kwargs = {"model": model_path, "tokenizer": model_path, "dtype": dtype,
+                  "gpu_memory_utilization": gpu_memory_utilization, "seed": seed, "enable_prefix_caching": True,
+                  "max_model_len": max_model_len, "trust_remote_code": trust_remote_code}
         self.logprobs_mode = "processed_logprobs"
         try:
             self.llm = vllm.LLM(**kwargs, logprobs_mode=self.logprobs_mode)

@@ -1,0 +1,213 @@
+"""`spa pipeline`: the whole SPA recipe in one run directory, resumable and incremental.
+
+Stages, in order, each writing under `pipeline.dir`:
+
+    generate   trajectories.jsonl     self-play data (`pipeline.data_policy`: the model, or random
+                                      actions = the paper's RandSFT bootstrap for weak models)
+    clean      sft.jsonl (+ .val)     ground-truth states
+    sft        sft/                   world-model fine-tuning from `model.name`
+    ppo        ppo/                   PPO from sft/final
+    eval       eval/{base,sft,ppo}.json  the same eval settings for the three models
+               table.md               the comparison, like the paper's Table 2
+
+A stage is skipped when it completed before with the same fingerprint: the config sections it
+reads plus the hashes of its inputs (`pipeline_state.json` records them). A stage that started
+but did not finish is resumed (every stage resumes on its own); one whose settings or inputs
+changed since is started over (its old output is removed first). Later stages see the new inputs'
+hashes, so they rerun too.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from stages import artifacts
+from stages.config import SPAConfig
+
+STATE_FILE = "pipeline_state.json"
+
+
+class Layout:
+    """Where each artifact of a run directory lives."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.trajectories = self.root / "trajectories.jsonl"
+        self.sft_data = self.root / "sft.jsonl"
+        self.sft = self.root / "sft"
+        self.ppo = self.root / "ppo"
+        self.eval = self.root / "eval"
+        self.table = self.root / "table.md"
+
+    def report(self, name: str) -> Path:
+        return self.eval / f"{name}.json"
+
+
+def stage_configs(config: SPAConfig) -> dict[str, SPAConfig]:
+    """The config of every stage of the run: paths inside the run dir, models chained."""
+    run = Layout(config.pipeline.dir)
+    configs: dict[str, SPAConfig] = {}
+
+    generate = copy.deepcopy(config)
+    if config.pipeline.data_policy == "random":
+        generate.rollout.backend = "random"
+    generate.generate.out = str(run.trajectories)
+    configs["generate"] = generate
+
+    clean = copy.deepcopy(config)
+    clean.clean.data, clean.clean.out = str(run.trajectories), str(run.sft_data)
+    configs["clean"] = clean
+
+    sft = copy.deepcopy(config)
+    sft.sft.data, sft.sft.val_data, sft.sft.out = str(run.sft_data), "", str(run.sft)
+    configs["sft"] = sft
+
+    ppo = copy.deepcopy(config)
+    ppo.model.name, ppo.ppo.out = str(run.sft / "final"), str(run.ppo)
+    configs["ppo"] = ppo
+
+    models = {"sft": run.sft / "final", "ppo": run.ppo / "final"}
+    if config.pipeline.baselines:
+        models = {"base": config.model.name, **models}
+    for name, model in models.items():
+        evaluation = copy.deepcopy(config)
+        evaluation.model.name, evaluation.eval.out = str(model), str(run.report(name))
+        configs[f"eval_{name}"] = evaluation
+    return configs
+
+
+#: The config sections each stage reads (its fingerprint); eval stages read `EVAL_SECTIONS`.
+SECTIONS = {
+    "generate": ("env", "model", "rollout", "generate"),
+    "clean": ("clean",),
+    "sft": ("model", "sft"),
+    "ppo": ("env", "model", "rollout", "ppo"),
+}
+EVAL_SECTIONS = ("env", "model", "rollout", "eval")
+
+
+def stage_inputs(name: str, config: SPAConfig) -> list[Path]:
+    """The files a stage reads; their hashes are part of its fingerprint."""
+    if name == "clean":
+        return [Path(config.clean.data)]
+    if name == "sft":
+        return [Path(config.sft.data), artifacts.val_path(config.sft.data)]
+    if name == "ppo" or name.startswith("eval_"):
+        model = Path(config.model.name)
+        return sorted(model.glob("*.safetensors")) if model.is_dir() else []
+    return []
+
+
+def fingerprint(name: str, config: SPAConfig) -> str:
+    data = asdict(config)
+    sections = EVAL_SECTIONS if name.startswith("eval_") else SECTIONS[name]
+    content = {
+        "config": {section: data[section] for section in sections},
+        "inputs": {str(p): artifacts.file_sha256(p) for p in stage_inputs(name, config) if p.is_file()},
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def stage_outputs(name: str, config: SPAConfig) -> list[Path]:
+    if name == "generate":
+        out = Path(config.generate.out)
+        return [out, out.with_name(out.name + ".manifest.json")]
+    if name == "clean":
+        out = Path(config.clean.out)
+        return [out, artifacts.val_path(out), out.with_name(out.name + ".manifest.json")]
+    if name == "sft":
+        return [Path(config.sft.out)]
+    if name == "ppo":
+        return [Path(config.ppo.out)]
+    out = Path(config.eval.out)
+    return [out, *out.parent.glob(f"{out.stem}.*")]
+
+
+def run(config: SPAConfig) -> dict[str, Any]:
+    """Run (or continue) every stage; return the comparison rows and what was skipped."""
+    console = Console(quiet=config.quiet)
+    run_dir = Layout(config.pipeline.dir)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir.root / STATE_FILE
+    state = artifacts.read_json(state_path) if state_path.is_file() else {}
+    skipped = []
+    for name, stage_config in stage_configs(config).items():
+        key = fingerprint(name, stage_config)
+        recorded = state.get(name, {})
+        if recorded.get("fingerprint") == key and recorded.get("complete"):
+            console.print(f"[pipeline] {name}: complete, skipped", highlight=False)
+            skipped.append(name)
+            continue
+        resume = recorded.get("fingerprint") == key  # started with the same settings: continue it
+        if not resume:
+            _remove(stage_outputs(name, stage_config))
+        console.print(f"[pipeline] {name}: {'resuming' if resume else 'running'}", highlight=False)
+        state[name] = {"fingerprint": key, "complete": False}
+        artifacts.write_json(state_path, state)
+        _runner(name)(stage_config, resume)
+        state[name]["complete"] = True
+        artifacts.write_json(state_path, state)
+    table = _write_table(config, run_dir)
+    console.print(table, highlight=False, markup=False)
+    return {"dir": str(run_dir.root), "skipped": skipped, "table": table}
+
+
+def _runner(name: str) -> Callable[[SPAConfig, bool], Any]:
+    from stages import clean, evaluate, generate, ppo, sft
+
+    def run_sft(cfg: SPAConfig, resume: bool) -> Any:
+        cfg.sft.resume = resume and Path(cfg.sft.out).exists()
+        return sft.run(cfg)
+
+    def run_ppo(cfg: SPAConfig, resume: bool) -> Any:
+        cfg.ppo.resume = resume and Path(cfg.ppo.out).exists()
+        return ppo.run(cfg)
+
+    def run_eval(cfg: SPAConfig, resume: bool) -> Any:
+        report = evaluate.run(cfg)
+        evaluate.print_report(report, Console(quiet=cfg.quiet))
+        return report
+
+    runners = {"generate": lambda cfg, _: generate.run(cfg), "clean": lambda cfg, _: clean.run(cfg),
+               "sft": run_sft, "ppo": run_ppo}
+    return runners.get(name, run_eval)
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _write_table(config: SPAConfig, run_dir: Layout) -> str:
+    """A Markdown table of the eval reports in percent, like the paper's Table 2."""
+    from stages import evaluate
+
+    names = [name for name in ("base", "sft", "ppo") if run_dir.report(name).is_file()]
+    rows = evaluate.compare_rows([run_dir.report(name) for name in names]) if names else []
+    k = rows[0]["k"] if rows else config.eval.pass_k
+    lines = [f"| model | Pass@1 | Pass@{k} | observation exact | prediction exact | prediction cells |",
+             "|---|---|---|---|---|---|"]
+    for name, row in zip(names, rows):
+        figures = [row[key] for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
+                                        "prediction_cells")]
+        lines.append(f"| {name} | " + " | ".join(_percent(v) for v in figures) + " |")
+    table = "\n".join(lines) + "\n"
+    with artifacts.atomic_write(run_dir.table) as handle:
+        handle.write(table)
+    return table
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}"

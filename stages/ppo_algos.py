@@ -1,0 +1,262 @@
+"""The PPO mathematics of `spa ppo`, as pure torch functions on padded ``[batch, time]`` tensors.
+
+Conventions shared by every function:
+
+* ``mask`` is the loss mask: 1 on the tokens that are trained (the model's own sampled tokens, or
+  every token after the system prompt, see ``ppo.loss_mask``), 0 elsewhere (prompt, environment
+  text, padding). Masked-out positions of every output are 0.
+* Only positions where the mask is 1 are *steps* of the decision process. The tokens between two
+  steps (an environment reply between two turns) are skipped, so the GAE recursion links each
+  model token to the next model token, across turns.
+* Sequence losses are aggregated as a token mean: the sum over masked tokens divided by
+  ``normalizer`` (default: the number of masked tokens in the tensor). Passing the mini-batch's
+  token count as the normalizer makes gradient accumulation over micro-batches give exactly the
+  mini-batch token mean.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from stages.errors import UserError
+
+# The log-ratio is clamped before exp: a ratio of e^20 already saturates every clip, and the clamp
+# keeps an inf out of the loss when the policy has moved very far on some token.
+_MAX_LOG_RATIO = 20.0
+_WHITEN_EPS = 1e-8
+# The low-variance KL estimator is bounded as in common practice: a single token with a huge
+# log-ratio must not dominate the penalty.
+_K3_BOUND = 10.0
+
+
+# ---- aggregation ---------------------------------------------------------------------------
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
+    """Token mean of ``x`` over ``mask``; ``normalizer`` replaces the token count when given."""
+    count = mask.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=x.dtype)
+    return masked_sum(x, mask) / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unbiased (Bessel-corrected) variance of ``x`` over ``mask``; 0 for fewer than 2 tokens."""
+    count = mask.sum()
+    mean = masked_sum(x, mask) / count.clamp(min=1)
+    squares = masked_sum((x - mean) ** 2, mask)
+    return squares / (count - 1) if count > 1 else torch.zeros_like(squares)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` with mean and unbiased variance over the masked tokens."""
+    mean = masked_sum(x, mask) / mask.sum().clamp(min=1)
+    return (x - mean) * torch.rsqrt(masked_var(x, mask) + _WHITEN_EPS) * mask
+
+
+# ---- advantage estimators ------------------------------------------------------------------
+
+
+@torch.no_grad()
+def masked_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float,
+               cut: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level generalised advantage estimation over the masked steps; returns (advantages, returns).
+
+    For a step t, let n(t) be the next step of the same row (the next position with mask 1).
+    Then ``delta_t = r_t + gamma * V_n(t) - V_t`` and ``A_t = delta_t + gamma * lam * A_n(t)``, with
+    ``V`` and ``A`` taken as 0 after the last step. ``returns = A + V`` (the critic's target).
+    Rewards on positions where the mask is 0 are ignored: place them on a step.
+
+    ``cut`` (bool, optional) marks steps after which the future is not followed: n(t) counts as
+    past the end there (the bi-level estimator uses it to end each turn).
+
+    With gamma = lam = 1 this is ``A_t = (sum of rewards from t on) - V_t``, i.e. ``R - V_t`` when
+    the only reward is the episode's, on its last step.
+    """
+    mask = mask.to(values.dtype)
+    keep = torch.ones_like(mask) if cut is None else 1.0 - cut.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_value = next_value * keep[:, t]
+        next_advantage = next_advantage * keep[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        step = mask[:, t]
+        advantages[:, t] = advantage * step
+        # Non-steps pass the next step's value and advantage through unchanged.
+        next_value = step * values[:, t] + (1 - step) * next_value
+        next_advantage = step * advantage + (1 - step) * next_advantage
+    return advantages, (advantages + values) * mask
+
+
+@torch.no_grad()
+def bilevel_gae(turn_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, turn_ends: torch.Tensor,
+                gamma: float, lam: float, turn_gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GAE, then token-level GAE inside each turn; returns (advantages, returns).
+
+    Definition used here (RAGEN's idea, re-derived):
+
+    1. Each turn k ends at its last model token e_k (``turn_ends``), where its reward r_k sits
+       (``turn_rewards``: the turn's env reward plus its format penalty, 0 elsewhere). The turn's
+       value is the critic's value there, ``U_k = V[e_k]``.
+    2. Turn level: ``masked_gae`` over the turn ends alone, with ``turn_gamma`` and ``lam``:
+       ``D_k = r_k + turn_gamma * U_{k+1} - U_k``, ``Â_k = D_k + turn_gamma * lam * Â_{k+1}``,
+       and the turn's return ``G_k = Â_k + U_k``.
+    3. Token level: ``masked_gae`` over the turn's own steps with ``gamma`` and ``lam``, reward
+       ``G_k`` on e_k and no bootstrap past e_k. So the last token of turn k gets ``Â_k`` and an
+       earlier token t gets the usual token-level GAE that ends in ``G_k``.
+
+    With one reward on the last turn and turn_gamma = gamma = lam = 1 it equals ``masked_gae``.
+    """
+    turn_ends = turn_ends.to(values.dtype) * mask.to(values.dtype)
+    _, turn_returns = masked_gae(turn_rewards, values, turn_ends, turn_gamma, lam)
+    return masked_gae(turn_returns, values, mask, gamma, lam, cut=turn_ends.bool())
+
+
+@torch.no_grad()
+def group_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO-style critic-free advantage, one per episode: ``(r - group mean) / (group std + eps)``.
+
+    The std is the unbiased sample std of the group. A group of one episode has no baseline to
+    compare with and gets advantage 0. Broadcast to tokens with ``advantage[:, None] * mask``.
+    """
+    advantages = torch.zeros_like(scores)
+    for group in torch.unique(groups):
+        members = groups == group
+        if members.sum() < 2:
+            continue
+        group_scores = scores[members]
+        advantages[members] = (group_scores - group_scores.mean()) / (group_scores.std() + eps)
+    return advantages
+
+
+# ---- losses --------------------------------------------------------------------------------
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0,
+                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with asymmetric clip and dual clip, token-mean; returns (loss, stats).
+
+    Per token, with ratio ``ρ = exp(logp - old_logp)``:
+    ``L = max(-A ρ, -A clip(ρ, 1 - clip_low, 1 + clip_high))``, and where ``A < 0`` the dual clip
+    bounds it further: ``L = min(L, -A * dual_clip)`` (a ratio that exploded on a bad token cannot
+    produce an unbounded step). ``dual_clip=None`` turns the dual clip off.
+
+    Stats (detached): ``clip_frac`` (tokens where the clipped term is the larger, i.e. clipping
+    is active), ``dual_clip_frac``, ``ppo_kl`` (mean of old_logp - logp, the k1 estimate of
+    KL(old || new)), all token means over the mask.
+    """
+    mask = mask.to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+    stats = {
+        "clip_frac": masked_mean((clipped > unclipped).to(mask.dtype), mask).detach(),
+        "dual_clip_frac": masked_mean(dual.to(mask.dtype), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+    return masked_mean(loss, mask, normalizer), stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float = 0.5, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss, token-mean: ``0.5 * max((V - G)^2, (V_clip - G)^2)``; returns (loss, stats).
+
+    ``V_clip = old_V + clip(V - old_V, -clip, clip)`` keeps the critic within ``clip`` of the value
+    it had at rollout time. The factor is 0.5 (so the gradient is ``V - G``). Stats: ``vf_clip_frac``
+    (tokens where the clipped error is the larger).
+    """
+    mask = mask.to(values.dtype)
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped_error, clipped_error)
+    stats = {"vf_clip_frac": masked_mean((clipped_error > unclipped_error).to(mask.dtype), mask).detach()}
+    return masked_mean(loss, mask, normalizer), stats
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution of each position: ``logsumexp(l) - sum(softmax(l) * l)``."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.logsumexp(logits.float(), dim=-1) - (probs * logits.float()).sum(-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of ``token_ids`` under ``logits`` (same leading shape), in fp32."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy.
+
+    ``k1 = logp - ref_logp`` (unbiased, high variance, can be negative);
+    ``k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1`` (unbiased, non-negative, low variance),
+    clamped to [-10, 10].
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k3":
+        return (torch.exp(-log_ratio) + log_ratio - 1).clamp(-_K3_BOUND, _K3_BOUND)
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1 or k3")
+
+
+# ---- diagnostics ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(G - V) / Var(G)`` over the mask: 1 is a perfect critic, 0 no better than a constant.
+
+    NaN when the returns have (almost) no variance: there is nothing to explain, and a ratio over
+    float noise would be meaningless.
+    """
+    mask = mask.to(values.dtype)
+    var_returns = masked_var(returns, mask)
+    if var_returns <= _WHITEN_EPS:
+        return float("nan")
+    return float(1 - masked_var(returns - values, mask) / var_returns)
+
+
+# ---- rollout filtering ---------------------------------------------------------------------
+
+
+def groups_to_keep(num_groups: int, ratio: float) -> int:
+    """How many groups a filter ratio keeps: floor(num_groups * ratio), guarded against float dust."""
+    kept = math.floor(num_groups * ratio + 1e-9)
+    if kept < 1:
+        raise UserError(f"ppo.filter_ratio={ratio} keeps no group out of rollout.groups={num_groups}; "
+                        f"raise it to at least {1 / num_groups:.4g} or use more groups")
+    return kept
+
+
+def filter_groups(scores: list[float], groups: list[int], ratio: float) -> list[int]:
+    """Keep the ``ratio`` of groups whose rewards vary the most; returns the kept episode indices.
+
+    Groups are ranked by the population std of their episodes' scores, largest first; ties keep
+    the group that appears first in ``groups``, so the choice is deterministic. Indices come back
+    in their original order.
+    """
+    order = list(dict.fromkeys(groups))  # groups in first-appearance order
+    by_group: dict[int, list[float]] = {g: [] for g in order}
+    for score, group in zip(scores, groups, strict=True):
+        by_group[group].append(score)
+    spread = {g: float(torch.tensor(s, dtype=torch.float64).std(unbiased=False)) for g, s in by_group.items()}
+    ranked = sorted(order, key=lambda g: -spread[g])  # sorted() is stable: ties stay in order
+    kept = set(ranked[: groups_to_keep(len(order), ratio)])
+    return [i for i, group in enumerate(groups) if group in kept]

@@ -1,0 +1,364 @@
+"""SFT data: chat rows -> token ids + loss masks, and the micro-batch plan that feeds the trainer.
+
+Masks (the paper's eq. 2). Every conversation is rendered through the model's OWN chat template
+(`apply_chat_template(..., tokenize=False)`) and tokenized once with character offsets, which is
+exactly what `apply_chat_template(tokenize=True)` produces. Each trained assistant message is then
+located in the rendered text (anchored by rendering the conversation prefix with the generation
+prompt, else by an in-order search), and a token is trained when it overlaps the message content
+or is the template's end-of-turn token: the first special token after the content (`<|im_end|>`,
+`<|eot_id|>`, `<end_of_turn>`, `</s>`), with anything the template writes between the two. Nothing
+of the system/user messages or of the assistant header is trained. An assistant message is trained
+unless it says `"train": false` (rows without the flag, e.g. from other tools, train every turn). No per-model token ids are
+involved, so ChatML (SmolLM2, Qwen), Llama-3 and other templates work alike. A template that
+rewrites assistant text (Qwen3 drops the `<think>` of past turns) cannot be matched: that row
+stops with a UserError that suggests one row per turn (`clean.unit=turn`).
+
+`mask_states=True` is the paper's masked ablation: tokens overlapping the contents of
+`<observation>...</observation>` and `<prediction>...</prediction>` get no loss; the tags stay
+trained. By default (the paper's main method) the states ARE trained, unlike SPA's released code.
+
+Over-long rows are left-truncated to `max_length` (the end of the conversation is kept, as in the
+paper's config) and counted; a row left with no trained token (or whose assistant messages all say
+`"train": false`) is dropped and counted. A row without an assistant message is an error.
+
+Batching, measured on 2 CPU cores with SmolLM2-135M (fp32, SDPA, fwd+bwd): one row per micro-batch
+runs at ~150-160 tokens/s for rows of 250-1000 tokens, packing 2-4 rows into one sequence at
+~140-155 tokens/s. Packed rows need a block-diagonal mask, which transformers 5 builds from
+restarting `position_ids`, and SDPA then computes the masked cross-row blocks too (and cannot take
+its `is_causal` fast path), while one CPU row is already a large enough matmul. So on CPU/SDPA each
+micro-batch is one row: no padding and no cross-row attention at all. With flash-attention 2 the
+same restarting `position_ids` select the varlen kernel, which skips cross-row work, so there rows
+are packed (first-fit decreasing) up to `micro_batch_tokens` to fill the GPU. `packing` overrides.
+Either way the loss is a sum over trained tokens divided by the global batch's trained-token count,
+so how rows are grouped never changes the objective.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages.artifacts import read_jsonl
+from stages.errors import UserError
+
+STATE_TAGS = ("observation", "prediction")
+# as tolerant as `spa clean` (spaces inside the tags, any case)
+_STATE_PATTERNS = [re.compile(rf"<\s*{tag}\s*>(.*?)<\s*/\s*{tag}\s*>", re.DOTALL | re.IGNORECASE)
+                   for tag in STATE_TAGS]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Example:
+    """One tokenized row. `mask[t] == 1` means token t is a training target (predicted from t-1)."""
+
+    id: str
+    input_ids: list[int]
+    mask: list[int]
+    truncated: int = 0  # tokens cut from the left
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def trained(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped_empty: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    longest: int = 0
+    dropped_ids: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        out = dict(vars(self))
+        out["dropped_ids"] = self.dropped_ids[:20]
+        return out
+
+
+# ---- reading rows ------------------------------------------------------------------------------
+
+
+def read_rows(path: str | Path, what: str = "training data") -> list[dict]:
+    """The rows of an SFT JSONL file, each checked to be a chat with at least one assistant turn."""
+    rows, _ = read_jsonl(path, required=("messages",))
+    if not rows:
+        raise UserError(f"{what} {path} has no rows; write it with `spa clean` (or check the path)")
+    for number, row in enumerate(rows, 1):
+        _check_row(row, f"{path} row {number}")
+    return rows
+
+
+def _check_row(row: dict, where: str) -> None:
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise UserError(f"{where}: message {i} must be an object with a string 'content'")
+        if message.get("role") not in ROLES:
+            raise UserError(f"{where}: message {i} has role {message.get('role')!r}; expected one of "
+                            f"{', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where} has no assistant message, so nothing to train on; "
+                        "SFT rows come from `spa clean`")
+
+
+def row_id(row: dict, index: int) -> str:
+    return str(row.get("id", f"row-{index}"))
+
+
+# ---- masks -------------------------------------------------------------------------------------
+
+
+def tokenize_row(tokenizer, messages: list[dict], max_length: int, mask_states: bool = False,
+                 row: str = "row") -> Example:
+    """Token ids and loss mask of one conversation (see the module docstring for the rules);
+    `row` names it in the Example and in errors."""
+    chat = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tokenizer.apply_chat_template(chat, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    mask = [0] * len(ids)
+    trained = [m["role"] == "assistant" and bool(m.get("train", True)) for m in messages]
+    spans = _message_spans(tokenizer, chat, text, f"row {row}", trained)
+    special = _special_ids(tokenizer)
+    for i in range(len(messages)):
+        if not trained[i] or spans[i] is None:
+            continue
+        start, end = spans[i]
+        limit = _next_start(spans, i, len(text))
+        _mark_turn(mask, ids, offsets, start, end, limit, special)
+        if mask_states:
+            for lo, hi in state_spans(text, start, end):
+                _mark(mask, offsets, lo, hi, 0)
+    mask[0] = 0  # the first token has no context to be predicted from
+    return _truncate_left(Example(row, ids, mask), max_length)
+
+
+def _message_spans(tokenizer, chat: list[dict], text: str, row: str,
+                   trained: list[bool]) -> list[tuple[int, int] | None]:
+    """Character span of every message's content in the rendered text, searched in order. None for
+    empty content and for a message the template does not render verbatim (some templates drop or
+    merge system prompts), which is an error only for a trained message."""
+    spans: list[tuple[int, int] | None] = []
+    cursor = 0
+    for i, message in enumerate(chat):
+        content = message["content"]
+        if not content.strip():
+            spans.append(None)
+            continue
+        low = cursor
+        if message["role"] == "assistant":
+            low = max(low, _prefix_anchor(tokenizer, chat[:i], text))
+        start, found = _find_content(text, content, low)
+        if start < 0 and not trained[i]:
+            spans.append(None)
+            continue
+        if start < 0:
+            raise UserError(f"{row}: the chat template does not reproduce message {i} ({message['role']}) "
+                            "verbatim, so its loss mask cannot be found; templates that rewrite past "
+                            "assistant turns need one row per turn (spa clean --unit turn)")
+        spans.append((start, start + len(found)))
+        cursor = start + len(found)
+    return spans
+
+
+def _prefix_anchor(tokenizer, prefix: list[dict], text: str) -> int:
+    """Where the assistant content must start: after the rendered prefix + generation prompt, when
+    that render is a prefix of the whole conversation (true of ChatML, Llama-3, Gemma...)."""
+    if not prefix:
+        return 0
+    from jinja2 import TemplateError
+
+    try:
+        head = tokenizer.apply_chat_template(prefix, tokenize=False, add_generation_prompt=True)
+    except (TemplateError, ValueError, TypeError):  # a template may refuse a partial conversation
+        return 0
+    return len(head) if text.startswith(head) else 0
+
+
+def _find_content(text: str, content: str, low: int) -> tuple[int, str]:
+    start = text.find(content, low)
+    if start >= 0:
+        return start, content
+    stripped = content.strip()  # e.g. Llama-3 renders `content | trim`
+    return text.find(stripped, low), stripped
+
+
+def _next_start(spans: list[tuple[int, int] | None], i: int, default: int) -> int:
+    return next((s[0] for s in spans[i + 1:] if s is not None), default)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+    return ids
+
+
+def _mark_turn(mask: list[int], ids: list[int], offsets: list[tuple[int, int]], start: int, end: int,
+               limit: int, special: set[int]) -> None:
+    """Train the content [start, end) and what follows it up to the first special token (the
+    end-of-turn), never reaching into the next message's content at `limit`."""
+    _mark(mask, offsets, start, end, 1)
+    for t, (lo, _hi) in enumerate(offsets):
+        if lo < end or lo >= limit:
+            continue
+        mask[t] = 1
+        if ids[t] in special:
+            return
+    # No special token before the next message: the template has no end-of-turn token, so only the
+    # content is trained (the trailing text is the next header). Undo the tokens marked past `end`.
+    for t, (lo, _hi) in enumerate(offsets):
+        if end <= lo < limit:
+            mask[t] = 0
+
+
+def _mark(mask: list[int], offsets: list[tuple[int, int]], start: int, end: int, value: int) -> None:
+    """Set the mask of every token overlapping the characters [start, end)."""
+    for t, (lo, hi) in enumerate(offsets):
+        if lo < end and hi > start and hi > lo:
+            mask[t] = value
+
+
+def state_spans(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """Character spans of the observation/prediction contents (tags excluded) inside [start, end)."""
+    spans = []
+    for pattern in _STATE_PATTERNS:
+        spans.extend(m.span(1) for m in pattern.finditer(text, start, end))
+    return spans
+
+
+def _truncate_left(example: Example, max_length: int) -> Example:
+    cut = len(example.input_ids) - max_length
+    if cut <= 0:
+        return example
+    mask = example.mask[cut:]
+    mask[0] = 0
+    return Example(example.id, example.input_ids[cut:], mask, truncated=cut)
+
+
+def tokenize_rows(rows: list[dict], tokenizer, max_length: int, mask_states: bool = False
+                  ) -> tuple[list[Example], DataStats]:
+    """Tokenize every row; rows left without a trained token are dropped and counted."""
+    examples, stats = [], DataStats(rows=len(rows))
+    for index, row in enumerate(rows):
+        rid = row_id(row, index)
+        example = tokenize_row(tokenizer, row["messages"], max_length, mask_states, row=rid)
+        stats.truncated += example.truncated > 0
+        if example.trained == 0:
+            stats.dropped_empty += 1
+            stats.dropped_ids.append(rid)
+            continue
+        examples.append(example)
+        stats.kept += 1
+        stats.tokens += len(example)
+        stats.trained_tokens += example.trained
+        stats.longest = max(stats.longest, len(example))
+    return examples, stats
+
+
+# ---- the batch plan ----------------------------------------------------------------------------
+
+
+@dataclass
+class MicroBatch:
+    rows: list[int]
+    weight: float = 1.0  # 0 for a filler that keeps ranks in step (its loss is multiplied by 0)
+
+
+def epoch_steps(n_rows: int, epoch: int, seed: int, global_batch: int) -> list[list[int]]:
+    """Row indices of every optimizer step of one epoch: a seeded shuffle cut into global batches
+    (the last one may be smaller). A pure function of (seed, epoch), so resume needs no RNG state."""
+    order = list(range(n_rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return [order[i:i + global_batch] for i in range(0, n_rows, global_batch)]
+
+
+def rank_micro_batches(step_rows: list[int], lengths: list[int], rank: int, world: int,
+                       micro_batch_tokens: int, pack: bool) -> list[MicroBatch]:
+    """This rank's micro-batches of one optimizer step. Rows go to ranks by balanced token load;
+    every rank gets the same number of micro-batches (ZeRO's collectives run per backward), padded
+    with zero-weight fillers where a rank has fewer."""
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for r in sorted(step_rows, key=lambda j: (-lengths[j], j)):
+        k = min(range(world), key=lambda w: (load[w], w))
+        shares[k].append(r)
+        load[k] += lengths[r]
+    plans = [_micro_batches(share, lengths, micro_batch_tokens, pack) for share in shares]
+    most = max(len(p) for p in plans)
+    shortest = min(step_rows, key=lambda j: (lengths[j], j))
+    mine = plans[rank]
+    return mine + [MicroBatch([shortest], 0.0) for _ in range(most - len(mine))]
+
+
+def _micro_batches(rows: list[int], lengths: list[int], budget: int, pack: bool) -> list[MicroBatch]:
+    if not pack:
+        return [MicroBatch([r]) for r in rows]
+    bins: list[tuple[int, list[int]]] = []  # first-fit decreasing (rows arrive longest first)
+    for r in rows:
+        for i, (used, members) in enumerate(bins):
+            if used + lengths[r] <= budget:
+                bins[i] = (used + lengths[r], members + [r])
+                break
+        else:
+            bins.append((lengths[r], [r]))
+    return [MicroBatch(members) for _, members in bins]
+
+
+def collate(examples: list[Example], device="cpu") -> dict:
+    """One packed sequence: ids [1, T], restarting position_ids [1, T], and the positions whose next
+    token is trained (`keep`, for `logits_to_keep`) with those next tokens (`targets`)."""
+    import torch
+
+    ids, positions, keep, targets = [], [], [], []
+    offset = 0
+    for ex in examples:
+        ids.extend(ex.input_ids)
+        positions.extend(range(len(ex)))
+        # mask[0] is always 0, so a target never crosses into the next packed row
+        trained = [t for t in range(1, len(ex)) if ex.mask[t]]
+        keep.extend(offset + t - 1 for t in trained)
+        targets.extend(ex.input_ids[t] for t in trained)
+        offset += len(ex)
+    as_long = {"dtype": torch.long, "device": device}
+    return {
+        "input_ids": torch.tensor([ids], **as_long),
+        "position_ids": torch.tensor([positions], **as_long),
+        "keep": torch.tensor(keep, **as_long),
+        "targets": torch.tensor(targets, **as_long),
+    }
+
+
+# ---- dry run -----------------------------------------------------------------------------------
+
+OPEN, CLOSE = "[[TRAIN]]", "[[/TRAIN]]"
+
+
+def describe(example: Example, tokenizer) -> str:
+    """The row decoded with every trained span wrapped in [[TRAIN]]...[[/TRAIN]], then token by token."""
+    lines = [f"=== row {example.id}: {len(example)} tokens, {example.trained} trained"
+             + (f", {example.truncated} cut from the left" if example.truncated else "") + " ===", ""]
+    pieces, run, state = [], [], 0
+    for tid, m in zip(example.input_ids, example.mask):
+        if m != state:
+            pieces.append(tokenizer.decode(run))
+            pieces.append(OPEN if m else CLOSE)
+            run, state = [], m
+        run.append(tid)
+    pieces.append(tokenizer.decode(run))
+    if state:
+        pieces.append(CLOSE)
+    lines += ["".join(pieces), "", "--- tokens: index, id, trained, text ---"]
+    lines += [f"{t:5d} {tid:7d} {m} {tokenizer.decode([tid])!r}"
+              for t, (tid, m) in enumerate(zip(example.input_ids, example.mask))]
+    return "\n".join(lines) + "\n\n"

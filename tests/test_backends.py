@@ -1,0 +1,421 @@
+"""Generation backends: HF (KV reuse must not change results), random (RandSFT format), vLLM."""
+
+from __future__ import annotations
+
+import random
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import envs
+from stages.backends import GenerationRequest, SamplingParams, make_backend
+from stages.backends.hf import HFBackend
+from stages.backends.random import RandomBackend
+from stages.config import SPAConfig
+from stages.errors import UserError
+from stages.models import load_model, load_tokenizer, tiny_model
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+def lively_model(tokenizer, seed: int = 0):
+    """The tiny random Llama with larger weights: its greedy text depends on the context (the
+    default init repeats one token), so cache or position mistakes change the output."""
+    model = tiny_model(tokenizer, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2, generator=generator)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return lively_model(tokenizer)
+
+
+def fresh(model, tokenizer, request: GenerationRequest, params: SamplingParams):
+    """Reference: one request on a new backend (no cache, no shared prefix), batch 1."""
+    return HFBackend(model, tokenizer, batch_size=1).generate([request], params)[0]
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def check_cache_consistent(backend: HFBackend) -> None:
+    for key, cached in backend._episodes.items():
+        assert int(cached.block.mask[cached.row].sum()) == len(cached.tokens), key
+
+
+# ---- HF backend: KV reuse -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_multiturn_kv_reuse_matches_fresh_prefill(model, tokenizer, attention):
+    if attention != "sdpa":
+        model = lively_model(tokenizer)
+        model.set_attn_implementation(attention)
+    rng = random.Random(0)
+    instruction = random_ids(rng, 60)  # shared by every episode
+    prompts = {f"ep{i}": instruction + random_ids(rng, rng.randrange(2, 25)) for i in range(6)}
+    backend = HFBackend(model, tokenizer, batch_size=3)  # several chunks per call
+    for turn in range(3):
+        keys = list(prompts)
+        if turn == 1:
+            keys.reverse()  # another batch composition than the cache's
+        requests = [GenerationRequest(k, prompts[k]) for k in keys]
+        outputs = backend.generate(requests, GREEDY)
+        check_cache_consistent(backend)
+        for request, out in zip(requests, outputs):
+            ref = fresh(model, tokenizer, request, GREEDY)
+            assert out.token_ids == ref.token_ids, (turn, request.key)
+            assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            # The next turn's prompt extends this one (observation tokens appended).
+            prompts[request.key] = request.prompt_ids + out.token_ids + random_ids(rng, rng.randrange(1, 15))
+        if turn == 0:
+            backend.release(["ep0"])
+            del prompts["ep0"]
+            assert "ep0" not in backend._episodes
+        if turn == 1:  # one history rewritten in the middle: must not reuse the stale part
+            prompts["ep1"][70] = 12345
+    stats = backend.stats
+    assert stats["reused_tokens"] > 0.7 * stats["prompt_tokens"]
+
+
+def test_shared_prefix_is_prefilled_once(model, tokenizer):
+    rng = random.Random(1)
+    instruction = random_ids(rng, 80)
+    requests = [GenerationRequest(f"e{i}", instruction + random_ids(rng, 5 + i)) for i in range(4)]
+    backend = HFBackend(model, tokenizer)
+    outputs = backend.generate(requests, GREEDY)
+    assert backend._prefix is not None and backend._prefix.tokens == instruction
+    assert backend.stats["prefilled_tokens"] == 80 + sum(5 + i for i in range(4))
+    for request, out in zip(requests, outputs):
+        assert out.token_ids == fresh(model, tokenizer, request, GREEDY).token_ids
+
+
+def test_identical_prompts_are_prefilled_once(model, tokenizer):
+    rng = random.Random(2)
+    instruction = random_ids(rng, 30)
+    puzzles = [instruction + [1000 + g] + random_ids(rng, 19) for g in range(2)]
+    requests = [GenerationRequest(f"g{i}", puzzles[i % 2]) for i in range(6)]  # two groups of three
+    backend = HFBackend(model, tokenizer)
+    outputs = backend.generate(requests, GREEDY)
+    # the instruction once, each puzzle's rest once, then each row's last prompt token
+    assert backend.stats["prefilled_tokens"] == 30 + 2 * 19 + 6
+    refs = [fresh(model, tokenizer, requests[g], GREEDY).token_ids for g in range(2)]
+    assert [out.token_ids for out in outputs] == [refs[i % 2] for i in range(6)]
+
+
+def test_batch_with_different_lengths_equals_one_by_one(model, tokenizer):
+    rng = random.Random(3)
+    requests = [GenerationRequest(f"r{i}", random_ids(rng, n)) for i, n in enumerate([3, 31, 9, 17, 1])]
+    outputs = HFBackend(model, tokenizer).generate(requests, GREEDY)
+    for request, out in zip(requests, outputs):
+        assert out.token_ids == fresh(model, tokenizer, request, GREEDY).token_ids
+
+
+def test_matches_model_generate(model, tokenizer):
+    ids = random_ids(random.Random(4), 20)
+    out = fresh(model, tokenizer, GenerationRequest("a", ids), GREEDY)
+    with torch.inference_mode():
+        reference = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   do_sample=False, max_new_tokens=GREEDY.max_new_tokens,
+                                   pad_token_id=tokenizer.pad_token_id)
+    assert out.token_ids == reference[0, len(ids):].tolist()
+
+
+def test_weight_update_invalidates_caches(tokenizer):
+    model = lively_model(tokenizer, seed=5)
+    rng = random.Random(5)
+    prompts = [random_ids(rng, 30) for _ in range(2)]
+    backend = HFBackend(model, tokenizer)
+    first = backend.generate([GenerationRequest(f"w{i}", p) for i, p in enumerate(prompts)], GREEDY)
+    with torch.no_grad():  # what an optimizer step does: in-place updates
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    requests = [GenerationRequest(f"w{i}", p + out.token_ids + [42]) for i, (p, out) in
+                enumerate(zip(prompts, first))]
+    for request, out in zip(requests, backend.generate(requests, GREEDY)):
+        assert out.token_ids == fresh(model, tokenizer, request, GREEDY).token_ids
+    other = lively_model(tokenizer, seed=6)  # pushed like the vLLM backend's weights
+    backend.load_weights(other.named_parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+    assert not backend._episodes and backend._prefix is None
+
+
+# ---- HF backend: stopping and sampling -----------------------------------------------------
+
+
+def test_stop_string_cuts_after_the_completing_token(model, tokenizer):
+    request = GenerationRequest("s", random_ids(random.Random(6), 15))
+    free = fresh(model, tokenizer, request, SamplingParams(max_new_tokens=20, temperature=0.0, stop=()))
+    stop = tokenizer.decode(free.token_ids[4:7])  # a string the model writes mid-way
+    out = fresh(model, tokenizer, request, SamplingParams(max_new_tokens=20, temperature=0.0, stop=(stop,)))
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert stop in out.text and out.text == tokenizer.decode(out.token_ids)
+    assert stop not in tokenizer.decode(out.token_ids[:-1])
+
+
+def test_stop_at_answer_tag_on_smollm2():
+    model, tokenizer = load_model("smollm2-135m")
+    text = "".join(f"<answer> {a} </answer>\n" for a in ["Up", "Left", "Down", "Right"] * 3) + "<answer> Up"
+    request = GenerationRequest("a", tokenizer.encode(text))
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, stop=("</answer>",))
+    out = HFBackend(model, tokenizer).generate([request], params)[0]
+    assert out.finish_reason == "stop" and out.text.endswith("</answer>"), out.text
+
+
+def test_eos_stops_generation(model, tokenizer):
+    request = GenerationRequest("e", random_ids(random.Random(7), 15))
+    free = fresh(model, tokenizer, request, GREEDY)
+    backend = HFBackend(model, tokenizer)
+    backend.eos_ids = frozenset({free.token_ids[5]})  # pretend this token ends the turn
+    out = backend.generate([request], GREEDY)[0]
+    first = free.token_ids.index(free.token_ids[5])
+    assert out.finish_reason == "eos" and out.token_ids == free.token_ids[:first + 1]
+
+
+def test_max_new_tokens_gives_length(model, tokenizer):
+    out = fresh(model, tokenizer, GenerationRequest("l", [5, 6, 7]), SamplingParams(max_new_tokens=7, stop=()))
+    assert out.finish_reason == "length" and len(out.token_ids) == 7 and len(out.logprobs) == 7
+
+
+def test_rows_finishing_at_different_steps(model, tokenizer):
+    """Finished rows leave the batch (and keep their KV); later turns still match."""
+    rng = random.Random(8)
+    requests = [GenerationRequest(f"d{i}", random_ids(rng, 10 + 3 * i)) for i in range(6)]
+    free = [fresh(model, tokenizer, r, GREEDY).token_ids for r in requests]
+    eos = frozenset(ids[2 + i] for i, ids in enumerate(free[:4]))  # rows end at various steps
+    backend = HFBackend(model, tokenizer, drop_fraction=0.1)
+    backend.eos_ids = eos
+    for turn in range(2):
+        outputs = backend.generate(requests, GREEDY)
+        check_cache_consistent(backend)
+        lengths = set()
+        for request, out in zip(requests, outputs):
+            ref = HFBackend(model, tokenizer, batch_size=1)
+            ref.eos_ids = eos
+            assert out.token_ids == ref.generate([request], GREEDY)[0].token_ids
+            lengths.add(len(out.token_ids))
+        assert turn > 0 or len(lengths) >= 3
+        requests = [GenerationRequest(r.key, r.prompt_ids + o.token_ids + [77, 78]) for r, o in zip(requests, outputs)]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_logprobs_are_those_of_the_sampling_distribution(model, tokenizer, temperature, top_p):
+    ids = random_ids(random.Random(9), 12)
+    params = SamplingParams(max_new_tokens=15, temperature=temperature, top_p=top_p, stop=(), seed=3)
+    out = HFBackend(model, tokenizer).generate([GenerationRequest("p", ids)], params)[0]
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1] / temperature
+    probs = logits.softmax(-1)
+    for step, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+        p = probs[step]
+        if top_p < 1.0:  # renormalised over the nucleus: the most likely tokens reaching top_p
+            sorted_p = p.sort(descending=True).values
+            keep = (sorted_p.cumsum(0) - sorted_p) < top_p
+            assert p[token] >= sorted_p[keep][-1]  # the sampled token is in the nucleus
+            expected = torch.log(p[token] / sorted_p[keep].sum())
+        else:
+            expected = torch.log(p[token])
+        assert logprob == pytest.approx(float(expected), abs=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(model, tokenizer):
+    requests = [GenerationRequest(f"q{i}", random_ids(random.Random(i), 10)) for i in range(3)]
+
+    def sample(seed):
+        params = SamplingParams(max_new_tokens=10, temperature=1.0, stop=(), seed=seed)
+        return [o.token_ids for o in HFBackend(model, tokenizer).generate(requests, params)]
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_same_prompt_gives_different_samples(model, tokenizer):
+    prompt = random_ids(random.Random(10), 10)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, stop=(), seed=0)
+    outs = HFBackend(model, tokenizer).generate([GenerationRequest(f"s{i}", prompt) for i in range(4)], params)
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_smollm2_multiturn_reuse_matches_fresh():
+    model, tokenizer = load_model("smollm2-135m")
+    chat = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You play Sokoban. Answer with moves."},
+         {"role": "user", "content": "Grid:\n#####\n#P_X#\n#####\nWhat next?"}], tokenize=False,
+        add_generation_prompt=True)
+    base = tokenizer.encode(chat + "<think>")
+    prompts = {"a": base, "b": base[:-3] + tokenizer.encode(" Go.<think>")}
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop=("</answer>",))
+    backend = HFBackend(model, tokenizer)
+    for _turn in range(2):
+        requests = [GenerationRequest(k, v) for k, v in prompts.items()]
+        for request, out in zip(requests, backend.generate(requests, params)):
+            assert out.token_ids == fresh(model, tokenizer, request, params).token_ids
+            prompts[request.key] = request.prompt_ids + out.token_ids + tokenizer.encode(
+                "<|im_end|>\n<|im_start|>user\nReward: 0<|im_end|>\n<|im_start|>assistant\n<think>")
+    assert backend.stats["reused_tokens"] > 0
+
+
+# ---- random backend ------------------------------------------------------------------------
+
+
+def random_requests(name: str, keys: list[str]) -> list[GenerationRequest]:
+    return [GenerationRequest(key, [], envs.make(name)) for key in keys]
+
+
+@pytest.mark.parametrize("name", ["sokoban", "frozen_lake", "sudoku"])
+def test_random_backend_world_model_format(name):
+    out = RandomBackend("world_model", seed=0).generate(random_requests(name, ["a"]), SamplingParams())[0]
+    env = envs.make(name)
+    head, answer = out.text.split(" </think> <answer> ")
+    assert head.startswith(" <observation></observation> ") and head.endswith(" <prediction></prediction>")
+    assert answer.endswith(" </answer>") and out.token_ids == []
+    actions = answer[: -len(" </answer>")].split(" || ")
+    assert len(actions) == 3
+    env.reset(seed=0)
+    assert all(env.parse_action(a) is not None for a in actions) if name != "sudoku" else True
+
+
+def test_random_backend_texts():
+    sokoban = RandomBackend("base", seed=0).generate(random_requests("sokoban", ["a"]), SamplingParams())[0]
+    assert sokoban.text.startswith(" I will push the box to the target. </think> <answer> ")
+    assert sokoban.text.endswith(" </answer>") and "<observation>" not in sokoban.text
+    sudoku = RandomBackend("base", seed=0, actions_per_turn=2).generate(random_requests("sudoku", ["a"]),
+                                                                         SamplingParams())[0]
+    moves = sudoku.text.split("<answer> ")[1].split(" </answer>")[0].split(" || ")
+    assert len(moves) == 2 and all(len(m.split(",")) == 3 for m in moves)
+
+
+def test_random_backend_is_deterministic_per_key():
+    keys = [f"k{i}" for i in range(8)]
+    one = RandomBackend("base", seed=1).generate(random_requests("sokoban", keys), SamplingParams())
+    other = RandomBackend("base", seed=1)
+    two = other.generate(random_requests("sokoban", keys[::-1][:5]), SamplingParams())[::-1]
+    assert [o.text for o in one[3:]] == [o.text for o in two]  # independent of batch composition
+    assert len({o.text for o in one}) > 1
+    second_turn = other.generate(random_requests("sokoban", keys[3:]), SamplingParams())
+    assert [o.text for o in second_turn] != [o.text for o in two]  # the next turn draws anew
+    assert RandomBackend("base", seed=2).generate(random_requests("sokoban", keys), SamplingParams()) != one
+
+
+# ---- make_backend and vLLM -----------------------------------------------------------------
+
+
+def test_make_backend(model, tokenizer):
+    config = SPAConfig()
+    config.rollout.backend = "random"
+    assert isinstance(make_backend(config), RandomBackend)
+    config.rollout.backend = "hf"
+    config.rollout.batch_size = 7
+    backend = make_backend(config, model=model, tokenizer=tokenizer)
+    assert isinstance(backend, HFBackend) and backend.model is model and backend.batch_size == 7
+    config.rollout.backend = "nope"
+    with pytest.raises(UserError):
+        make_backend(config)
+
+
+def test_vllm_missing_is_a_one_line_user_error(monkeypatch):
+    from stages.backends.vllm import VLLMBackend
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
+    with pytest.raises(UserError) as err:
+        VLLMBackend("some/model")
+    assert "\n" not in str(err.value) and "vllm" in str(err.value)
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM on CPU: records what the backend asks for, answers canned outputs."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.loaded, self.prefix_resets = kwargs, [], [], 0
+        model = SimpleNamespace(load_weights=lambda weights: self.loaded.extend(weights))
+        runner = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(worker=runner)))
+
+    def generate(self, prompts, sampling, use_tqdm=True):
+        self.calls.append((prompts, sampling))
+        cases = [("length", None), ("stop", "</answer>"), ("stop", None), ("stop", 2)]
+        return [SimpleNamespace(outputs=[SimpleNamespace(
+            token_ids=[7, 8], text="ab", logprobs=[{7: SimpleNamespace(logprob=-0.5)}, {8: SimpleNamespace(logprob=-1.5)}],
+            finish_reason=cases[i % 4][0], stop_reason=cases[i % 4][1])]) for i in range(len(prompts))]
+
+    def reset_prefix_cache(self):
+        self.prefix_resets += 1
+
+
+def test_vllm_backend_glue_with_a_fake_engine(monkeypatch, tokenizer):
+    from stages.backends.vllm import VLLMBackend
+
+    fake = SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: kw, inputs=SimpleNamespace(TokensPrompt=dict))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after the test
+    backend = VLLMBackend("/models/m", tokenizer, gpu_memory_utilization=0.5, seed=3)
+    llm = backend.llm
+    assert llm.kwargs["enable_prefix_caching"] and llm.kwargs["gpu_memory_utilization"] == 0.5
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["dtype"] == "bfloat16"
+    requests = [GenerationRequest(f"k{i}", [1, 2, i]) for i in range(4)]
+    params = SamplingParams(max_new_tokens=9, temperature=0.5, top_p=0.9, stop=("</answer>",), seed=1)
+    outs = backend.generate(requests, params)
+    assert [o.finish_reason for o in outs] == ["length", "stop", "eos", "eos"]
+    assert outs[0].token_ids == [7, 8] and outs[0].logprobs == [-0.5, -1.5] and outs[0].text == "ab"
+    prompts, sampling = llm.calls[0]
+    assert prompts[2] == {"prompt_token_ids": [1, 2, 2]}
+    first = sampling[0]
+    assert first["stop"] == ["</answer>"] and first["include_stop_str_in_output"] and first["logprobs"] == 0
+    assert (first["max_tokens"], first["temperature"], first["top_p"]) == (9, 0.5, 0.9)
+    assert tokenizer.eos_token_id in first["stop_token_ids"]
+    assert len({s["seed"] for s in sampling}) == 4  # one seed per episode: a group's samples differ
+    backend.generate(requests, params)
+    assert [s["seed"] for s in llm.calls[1][1]] == [s["seed"] for s in sampling]  # reproducible
+    weights = [("w", torch.ones(2, requires_grad=True))]
+    backend.load_weights(weights)
+    assert llm.loaded[0][0] == "w" and not llm.loaded[0][1].requires_grad and llm.prefix_resets == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vllm_matches_hf_greedy(tokenizer, tmp_path):
+    pytest.importorskip("vllm")
+    from stages.backends.vllm import VLLMBackend
+
+    model = lively_model(tokenizer)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    rng = random.Random(12)
+    requests = [GenerationRequest(f"v{i}", random_ids(rng, 8 + 5 * i)) for i in range(3)]
+    backend = VLLMBackend(str(tmp_path / "m"), tokenizer, dtype="float32", gpu_memory_utilization=0.3)
+
+    def check(hf_model, outputs):
+        for request, out in zip(requests, outputs):
+            ids = request.prompt_ids + out.token_ids
+            with torch.inference_mode():
+                logp = hf_model(torch.tensor([ids])).logits[0, len(request.prompt_ids) - 1:-1].log_softmax(-1)
+            for step, (token, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+                assert logp[step].max() - logp[step, token] < 1e-3  # greedy, up to float ties
+                assert logprob == pytest.approx(float(logp[step, token]), abs=2e-3)
+            # HFBackend's greedy ids agree up to where a float tie may send them apart
+            ref = fresh(hf_model, tokenizer, request, GREEDY).token_ids
+            split = next((k for k, (a, b) in enumerate(zip(ref, out.token_ids)) if a != b), None)
+            if split is None:
+                assert ref == out.token_ids
+            else:
+                assert abs(float(logp[split, ref[split]] - logp[split, out.token_ids[split]])) < 1e-3
+
+    check(model, backend.generate(requests, GREEDY))
+    updated = lively_model(tokenizer, seed=1)  # new weights, pushed as after a PPO update
+    backend.load_weights(updated.named_parameters())
+    check(updated, backend.generate(requests, GREEDY))

@@ -1,0 +1,443 @@
+"""`spa sft`: loss masks, batching, the training loop, checkpoints, resume, DeepSpeed, bad input."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages import sft
+from stages.config import load_config
+from stages.engine import cosine_with_warmup, deepspeed_config
+from stages.errors import UserError
+from stages.models import load_tokenizer, tiny_model
+from stages.sft_data import (
+    Example,
+    collate,
+    epoch_steps,
+    rank_micro_batches,
+    read_rows,
+    tokenize_row,
+    tokenize_rows,
+)
+
+# ---- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(tokenizer):
+    """A copy of the bundled tokenizer with a Llama-3-style template (trimmed content, header
+    tokens, <|eot_id|> closing each turn, a BOS written by the template)."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = (
+        "{{ '<|begin_of_text|>' }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+        " + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+    return tok
+
+
+def grid(rng: random.Random) -> tuple[str, str]:
+    cells = [["#"] * 5] + [["#", "_", "_", "_", "#"] for _ in range(3)] + [["#"] * 5]
+    r, c = rng.randint(1, 3), rng.randint(1, 3)
+    cells[r][c] = "P"
+    return "\n".join("".join(row) for row in cells), f"Player (P) is at ({r},{c})"
+
+
+def assistant_text(now: tuple[str, str], nxt: tuple[str, str], action: str = "Up") -> str:
+    return (f"<think> <observation>{now[0]}\n{now[1]}</observation> I push right. "
+            f"<prediction>{nxt[0]}\n{nxt[1]}</prediction> </think> <answer> {action} </answer>")
+
+
+def conversation(rng: random.Random, turns: int = 2, train=None) -> list[dict]:
+    messages = [{"role": "system", "content": "You are solving Sokoban. Answer with actions."}]
+    state = grid(rng)
+    for t in range(turns):
+        nxt = grid(rng)
+        messages.append({"role": "user", "content": f"Turn {t + 1}. State:\n{state[0]}\n{state[1]}."})
+        messages.append({"role": "assistant", "content": assistant_text(state, nxt),
+                         "train": True if train is None else train[t]})
+        state = nxt
+    return messages
+
+
+def write_rows(path: Path, n: int, seed: int = 0, turns: int = 2) -> Path:
+    rng = random.Random(seed)
+    rows = [{"id": f"r{i}", "source_id": f"s{i}", "env": "sokoban", "seed": i, "success": True,
+             "messages": conversation(rng, turns)} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    write_rows(root / "sft.val.jsonl", 2, seed=1, turns=1)
+    return write_rows(root / "sft.jsonl", 8, turns=1)  # 2 steps of 4 rows an epoch
+
+
+def make_config(data, model, out, **sft_values):
+    values = {"data": str(data), "out": str(out), "zero_stage": 0, "epochs": 2, "global_batch": 4,
+              "lr": 1e-3, "warmup_ratio": 0.0, **sft_values}
+    return load_config(None, [], {"model.name": str(model), "quiet": True,
+                                  **{f"sft.{k}": v for k, v in values.items()}})
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trained_runs(example: Example, tok) -> list[str]:
+    """The decoded text of each maximal run of trained tokens."""
+    runs, current = [], []
+    for tid, m in zip(example.input_ids, example.mask):
+        if m:
+            current.append(tid)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    if current:
+        runs.append(tok.decode(current))
+    return runs
+
+
+def untrained_roles(example: Example, tok, messages) -> set[str]:
+    """Roles whose content characters carry a trained token (should be {'assistant'} only)."""
+    chat = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tok.apply_chat_template(chat, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    cut = len(enc["input_ids"]) - len(example)
+    offsets = enc["offset_mapping"][cut:]
+    regions, cursor = [], 0
+    for m in chat:
+        start = text.index(m["content"].strip(), cursor)
+        regions.append((m["role"], start, start + len(m["content"].strip())))
+        cursor = start
+    roles = set()
+    for (lo, hi), trained in zip(offsets, example.mask):
+        for role, start, end in regions:
+            if trained and lo < end and hi > start:
+                roles.add(role)
+    return roles
+
+
+# ---- masks -------------------------------------------------------------------------------------
+
+
+def test_masks_on_the_bundled_chatml_template(tokenizer):
+    rng = random.Random(3)
+    messages = conversation(rng, turns=3, train=[True, False, True])
+    example = tokenize_row(tokenizer, messages, max_length=4096)
+    chat = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert example.input_ids == list(tokenizer.apply_chat_template(chat, tokenize=True)["input_ids"])
+    expected = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant" and m["train"]]
+    assert trained_runs(example, tokenizer) == expected
+    assert untrained_roles(example, tokenizer, messages) == {"assistant"}
+
+
+def test_masks_on_a_llama3_style_template(llama3_tokenizer):
+    tok = llama3_tokenizer
+    messages = conversation(random.Random(4), turns=2)
+    messages[2]["content"] = "  " + messages[2]["content"] + "\n"  # the template trims it
+    example = tokenize_row(tok, messages, max_length=4096)
+    assert tok.decode(example.input_ids[:2]) == "<|begin_of_text|><|start_header_id|>"
+    expected = [m["content"].strip() + "<|eot_id|>" for m in messages if m["role"] == "assistant"]
+    assert trained_runs(example, tok) == expected
+    assert untrained_roles(example, tok, messages) == {"assistant"}
+
+
+def test_mask_states_trains_the_tags_but_not_the_states(tokenizer):
+    messages = conversation(random.Random(5), turns=1)
+    example = tokenize_row(tokenizer, messages, max_length=4096, mask_states=True)
+    assert trained_runs(example, tokenizer) == [
+        "<think> <observation>", "</observation> I push right. <prediction>",
+        "</prediction> </think> <answer> Up </answer><|im_end|>"]
+    full = tokenize_row(tokenizer, messages, max_length=4096)
+    assert full.input_ids == example.input_ids and full.trained > example.trained
+
+
+def test_no_row_has_an_empty_mask_or_trains_a_user_token(tokenizer, data):
+    rows = read_rows(data)
+    examples, stats = tokenize_rows(rows, tokenizer, max_length=2048)
+    assert stats.kept == len(rows) == len(examples) and stats.dropped_empty == 0
+    for example, row in zip(examples, rows):
+        assert example.trained > 0
+        assert untrained_roles(example, tokenizer, row["messages"]) == {"assistant"}
+
+
+def test_left_truncation_keeps_the_end_and_drops_rows_left_without_loss(tokenizer):
+    messages = conversation(random.Random(6), turns=3)
+    full = tokenize_row(tokenizer, messages, max_length=4096)
+    cut = tokenize_row(tokenizer, messages, max_length=100)
+    assert len(cut) == 100 and cut.truncated == len(full) - 100
+    assert cut.input_ids == full.input_ids[-100:]
+    assert cut.mask[1:] == full.mask[-99:] and cut.mask[0] == 0
+    # only the first turn is trained, and it is cut away: the row is dropped and counted
+    late = conversation(random.Random(7), turns=3, train=[True, False, False])
+    rows = [{"id": "keep", "messages": messages}, {"id": "lost", "messages": late}]
+    examples, stats = tokenize_rows(rows, tokenizer, max_length=100)
+    assert [e.id for e in examples] == ["keep"]
+    assert (stats.truncated, stats.dropped_empty, stats.dropped_ids) == (2, 1, ["lost"])
+
+
+def test_a_template_that_rewrites_assistant_text_is_an_error(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + "
+                         "m['content'].split('</think>')[-1] + '<|im_end|>\n' }}{% endfor %}")
+    with pytest.raises(UserError, match="clean --unit turn"):
+        tokenize_row(tok, conversation(random.Random(8)), max_length=4096)
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+
+def test_collate_keeps_positions_whose_next_token_is_trained():
+    a = Example("a", [10, 11, 12, 13], [0, 0, 1, 1])
+    b = Example("b", [20, 21, 22], [0, 1, 0])
+    batch = collate([a, b])
+    assert batch["input_ids"].tolist() == [[10, 11, 12, 13, 20, 21, 22]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert batch["keep"].tolist() == [1, 2, 4]
+    assert batch["targets"].tolist() == [12, 13, 21]
+
+
+def test_epoch_plan_and_micro_batches():
+    steps = epoch_steps(10, epoch=0, seed=1, global_batch=4)
+    assert [len(s) for s in steps] == [4, 4, 2] and sorted(itertools.chain(*steps)) == list(range(10))
+    assert steps == epoch_steps(10, 0, 1, 4) and steps != epoch_steps(10, 1, 1, 4)
+    lengths = [900, 800, 300, 100, 50]
+    per_rank = [rank_micro_batches(list(range(5)), lengths, r, 2, 1000, pack=True) for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1])  # ranks stay in step (fillers weigh 0)
+    real = sorted(r for mbs in per_rank for mb in mbs if mb.weight for r in mb.rows)
+    assert real == list(range(5))
+    assert all(sum(lengths[r] for r in mb.rows) <= 1000 for mbs in per_rank for mb in mbs)
+    unpacked = rank_micro_batches(list(range(5)), lengths, 0, 1, 1000, pack=False)
+    assert [mb.rows for mb in unpacked] == [[0], [1], [2], [3], [4]]
+
+
+def test_packed_rows_give_the_same_loss_as_separate_rows(tokenizer, tiny_dir):
+    """Restarting position_ids make transformers build a block-diagonal mask on SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    examples = [tokenize_row(tokenizer, conversation(random.Random(s)), 4096) for s in (1, 2)]
+    packed = sft.token_ce_sum(model, collate(examples))
+    separate = sum(sft.token_ce_sum(model, collate([e])) for e in examples)
+    assert torch.allclose(packed, separate, rtol=1e-5)
+
+
+def test_cosine_schedule_with_warmup():
+    factor = cosine_with_warmup(total_steps=20, warmup_ratio=0.1)
+    assert [factor(s) for s in (0, 1)] == [0.5, 1.0]
+    assert factor(11) == pytest.approx(0.5) and 0 < factor(19) < 0.01
+
+
+def test_deepspeed_configs_fill_auto_values():
+    cpu = deepspeed_config(2, offload=True, grad_clip=1.0, device="cpu", mixed=None)
+    assert cpu["zero_optimization"]["stage"] == 2 and "offload_optimizer" not in cpu["zero_optimization"]
+    assert cpu["gradient_clipping"] == 1.0 and cpu["bf16"]["enabled"] is False
+    assert "auto" not in json.dumps(cpu)
+    gpu = deepspeed_config(3, offload=True, grad_clip=0.5, device="cuda:0", mixed="bf16")
+    zero = gpu["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu" and gpu["bf16"]["enabled"]
+    assert zero["stage3_gather_16bit_weights_on_model_save"] and "auto" not in json.dumps(gpu)
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+
+def test_tiny_run_learns_and_its_checkpoint_reloads_and_generates(data, tiny_dir, tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    result = sft.run(make_config(data, tiny_dir, out, epochs=3))
+    seen = losses(out)
+    assert len(seen) == 6 and seen[-1] < seen[0] - 0.3
+    assert result["complete"] and result["val_loss"] is not None and result["data"]["kept"] == 8
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "epoch", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens"} <= set(rows[0])
+    assert [r["val_loss"] is not None for r in rows] == [False, True] * 3
+    assert all((out / f"epoch-{k}" / "model.safetensors").is_file() for k in (1, 2, 3))
+    assert json.loads((out / "manifest.json").read_text())["stage"] == "sft"
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    assert tok.chat_template == tokenizer.chat_template
+    prompt = tok.apply_chat_template([{"role": "user", "content": "State:"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 5
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
+
+
+def test_resume_reproduces_the_uninterrupted_run(data, tiny_dir, tmp_path):
+    straight = tmp_path / "straight"
+    sft.run(make_config(data, tiny_dir, straight, epochs=2))
+    out = tmp_path / "resumed"
+    first = sft.run(make_config(data, tiny_dir, out, stop_after_steps=1))  # mid-epoch
+    assert first["stopped_early"] and not (out / "final").exists()
+    with pytest.raises(UserError, match="--resume"):
+        sft.run(make_config(data, tiny_dir, out))
+    sft.run(make_config(data, tiny_dir, out, resume=True, stop_after_steps=2))  # the epoch boundary
+    assert (out / "epoch-1").is_dir() and not (out / "epoch-2").exists()
+    done = sft.run(make_config(data, tiny_dir, out, resume=True))
+    assert done["complete"] and losses(out) == losses(straight)
+    for name in ("model.safetensors",):
+        assert (out / "final" / name).read_bytes() == (straight / "final" / name).read_bytes()
+    again = sft.run(make_config(data, tiny_dir, out, resume=True))
+    assert again["already_complete"] and again["final"] == str(out / "final")
+    with pytest.raises(UserError, match="sft.lr"):
+        sft.run(make_config(data, tiny_dir, out, resume=True, lr=2e-3))
+
+
+def test_a_crash_resumes_from_the_last_periodic_save(data, tiny_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    sft.run(make_config(data, tiny_dir, straight, epochs=1, global_batch=2))
+    real_step = sft._Trainer._train_step
+
+    def crash_at_step_4(self, rows, progress):
+        if progress.global_step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, rows, progress)
+
+    monkeypatch.setattr(sft._Trainer, "_train_step", crash_at_step_4)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        sft.run(make_config(data, tiny_dir, out, epochs=1, global_batch=2, save_every_steps=2))
+    assert len(losses(out)) == 3  # step 3 ran but was never saved
+    state = json.loads((out / "trainer_state" / "progress.json").read_text())["progress"]
+    assert (state["epoch"], state["step"], state["global_step"]) == (0, 2, 2)
+    monkeypatch.setattr(sft._Trainer, "_train_step", real_step)
+    sft.run(make_config(data, tiny_dir, out, epochs=1, global_batch=2, resume=True))
+    assert losses(out) == losses(straight)
+
+
+def test_deepspeed_zero2_matches_plain_torch_and_resumes_exactly(data, tiny_dir, tmp_path):
+    torch_run = tmp_path / "torch"
+    sft.run(make_config(data, tiny_dir, torch_run))
+    straight = tmp_path / "ds"
+    sft.run(make_config(data, tiny_dir, straight, zero_stage=2))
+    assert losses(straight) == pytest.approx(losses(torch_run), rel=1e-5)
+    out = tmp_path / "ds-resumed"
+    sft.run(make_config(data, tiny_dir, out, zero_stage=2, stop_after_steps=2))
+    sft.run(make_config(data, tiny_dir, out, zero_stage=2, resume=True))
+    assert losses(out) == losses(straight)
+
+
+def test_lora_run_saves_a_merged_plain_checkpoint(data, tiny_dir, tmp_path):
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    sft.run(make_config(data, tiny_dir, out, epochs=1, lora_rank=4, lora_alpha=8, lr=1e-2))
+    keys = load_file(out / "final" / "model.safetensors").keys()
+    assert not any("lora" in k or "base_layer" in k for k in keys)
+    merged = AutoModelForCausalLM.from_pretrained(out / "final")
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.state_dict()[q], base.state_dict()[q])
+    embed = "model.embed_tokens.weight"  # not a LoRA target: untouched
+    assert torch.equal(merged.state_dict()[embed], base.state_dict()[embed])
+
+
+def test_dry_run_writes_the_trained_spans_and_does_not_train(data, tiny_dir, tmp_path):
+    out = tmp_path / "dry"
+    result = sft.run(make_config(data, tiny_dir, out), dry_run=True)
+    text = Path(result["dry_run"]).read_text()
+    assert text.count("[[TRAIN]]") >= 2 and "<|im_end|>[[/TRAIN]]" in text
+    assert "[[TRAIN]]<think> <observation>" in text
+    assert [p.name for p in out.iterdir()] == ["dry_run.txt"]
+    sft.run(make_config(data, tiny_dir, out, epochs=1, stop_after_steps=1))  # a dry run does not block
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_rows_without_an_assistant_turn_are_an_error(tmp_path, tiny_dir):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(UserError, match="row 1 has no assistant message"):
+        sft.run(make_config(path, tiny_dir, tmp_path / "out"))
+
+
+def test_an_empty_data_file_is_an_error(tmp_path, tiny_dir):
+    path = tmp_path / "sft.jsonl"
+    path.write_text("")
+    with pytest.raises(UserError, match="has no rows"):
+        sft.run(make_config(path, tiny_dir, tmp_path / "out"))
+
+
+def test_a_model_directory_without_a_tokenizer_is_an_error(tmp_path, data, tiny_dir):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((tiny_dir / name).read_bytes())
+    with pytest.raises(UserError, match="tokenizer"):
+        sft.run(make_config(data, bare, tmp_path / "out"))
+
+
+def test_rows_too_long_for_any_loss_are_an_error(tmp_path, data, tiny_dir):
+    with pytest.raises(UserError, match="max_length"):
+        sft.run(make_config(data, tiny_dir, tmp_path / "out", max_length=2))
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_bf16_on_cuda_trains_and_saves(stage, data, tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / f"zero{stage}"
+    result = sft.run(make_config(data, tiny_dir, out, zero_stage=stage, epochs=3))
+    seen = losses(out)
+    assert result["complete"] and seen[-1] < seen[0] - 0.3
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.dtype == torch.bfloat16 and model.model.embed_tokens.weight.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_two_processes_under_torchrun_match_one_process(data, tiny_dir, tmp_path):
+    """The multi-GPU logic (rank shares, zero-weight fillers, global token normalisation, rank-0
+    saving) on two CPU processes with gloo: packed, uneven micro-batches give the single-process loss."""
+    import shutil
+    import subprocess
+    import sys
+
+    sets = ["sft.epochs=2", "sft.global_batch=3", "sft.lr=1e-3", "sft.warmup_ratio=0"]
+    one = tmp_path / "one"
+    sft.run(make_config(data, tiny_dir, one, global_batch=3))
+    two = tmp_path / "two"
+    spa = shutil.which("spa", path=str(Path(sys.executable).parent))
+    from stages.engine import _free_port
+
+    port = str(_free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, spa,
+           "sft", "--data", str(data), "--model", str(tiny_dir), "--out", str(two), "-q",
+           *[arg for s in [*sets, "sft.packing=true", "sft.micro_batch_tokens=400"] for arg in ("--set", s)]]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    assert losses(two) == pytest.approx(losses(one), rel=1e-6)
+    assert (two / "final" / "model.safetensors").is_file()
