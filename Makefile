@@ -25,8 +25,12 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
+# Until `spa pipeline` has a tested demo config, the demo runs the stages that are verified end to
+# end on the CPU: RandSFT data (random backend), ground-truth cleaning, and the random baseline's eval.
 demo: install
-	$(BIN)/spa demo
+	$(BIN)/spa generate --env sokoban --backend random --groups 8 --group-size 2 --out runs/demo/trajectories.jsonl
+	$(BIN)/spa clean --data runs/demo/trajectories.jsonl --out runs/demo/sft.jsonl
+	$(BIN)/spa eval --env sokoban --backend random --seeds 8 --pass-k 2 --out runs/demo/eval_random.json
 
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
