@@ -1,15 +1,16 @@
 """Training throughput of `spa sft` against TRL's `SFTTrainer`, on one machine, in one run.
 
-Same model (the bundled SmolLM2-135M-Instruct, full fine-tune), same data (multi-turn Sokoban rows
-made by `spa generate --backend random` + `spa clean`, ~1,100-1,800 tokens each; a built-in
-generator of the same layout if those stages fail), same objective (loss on the assistant turns
-only; TRL gets the bundled ChatML template with `{% generation %}` tags, which renders the same
-text), same optimizer settings and rows per optimizer step, one row per forward (no padding) on
-both sides. Every trainer runs in its own subprocess; the first optimizer step is warm-up and is not
+Same model (the bundled SmolLM2-135M-Instruct, full fine-tune, fp32, SDPA), same data (multi-turn
+Sokoban rows made by `spa generate --backend random` + `spa clean`, ~1,100-1,800 tokens each; a
+built-in generator of the same layout if those stages fail), same objective (loss on the assistant
+turns only; TRL gets the bundled ChatML template with `{% generation %}` tags, which renders the
+same text), same optimizer settings and rows per optimizer step. Every trainer runs in its own subprocess; the first optimizer step is warm-up and is not
 timed. Prints one JSON object:
 
-* tokens/s of `spa sft` (its default engine, DeepSpeed ZeRO-2 on the CPU) and of TRL with its
-  defaults (gradient checkpointing on) and with gradient checkpointing off;
+* tokens/s of `spa sft` with its defaults (DeepSpeed ZeRO-2 on the CPU), and with plain torch;
+  of TRL as it sets itself up (`trl_defaults`: the step's rows in one batch padded to the longest,
+  gradient checkpointing on, TRL's default) and tuned like spa (`trl_tuned`: one row a forward, no
+  padding, no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
 * the ratios (target: spa >= 1.3x TRL);
 * MFU = 6 x parameters x tokens/s / the fp32 matmul FLOP/s measured here (best of a 2048^3
   matmul, measured before and after the runs, as other work on the machine moves it);
@@ -143,7 +144,9 @@ def rates(steps: list[tuple[int, float]]) -> dict:
             "timed_steps": len(steps), "timed_tokens": sum(n for n, _ in steps)}
 
 
-def child_trl(data: str, work: str, rows_per_step: int, steps: int, checkpointing: bool | None) -> dict:
+def child_trl(data: str, work: str, rows_per_step: int, steps: int, defaults: bool) -> dict:
+    """TRL's SFTTrainer. `defaults`: as TRL sets it up (one padded batch a step, gradient
+    checkpointing on); else tuned like spa (one row a forward, no padding, no checkpointing)."""
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -160,19 +163,23 @@ def child_trl(data: str, work: str, rows_per_step: int, steps: int, checkpointin
         def on_step_end(self, args, state, control, **kwargs):
             marks.append((time.perf_counter(), int(state.num_input_tokens_seen)))
 
-    options = {} if checkpointing is None else {"gradient_checkpointing": checkpointing}
+    if defaults:
+        options = {"per_device_train_batch_size": rows_per_step, "gradient_accumulation_steps": 1}
+    else:
+        options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": rows_per_step,
+                   "gradient_checkpointing": False}
     args = SFTConfig(
-        output_dir=str(Path(work) / f"trl-{checkpointing}"), per_device_train_batch_size=1,
-        gradient_accumulation_steps=rows_per_step, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.95,
+        output_dir=str(Path(work) / f"trl-{defaults}"), learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.95,
         weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=0.1, max_grad_norm=1.0,
         max_steps=steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
         max_length=2048, assistant_only_loss=True, seed=1, dataloader_num_workers=0,
-        include_num_input_tokens_seen="all", disable_tqdm=True, **options)
+        include_num_input_tokens_seen="non_padding", disable_tqdm=True, **options)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                          callbacks=[Clock()])
     trainer.train()
     steps = [(n1 - n0, t1 - t0) for (t0, n0), (t1, n1) in itertools.pairwise(marks)]
     return rates(steps) | {"gradient_checkpointing": args.gradient_checkpointing,
+                           "per_device_train_batch_size": args.per_device_train_batch_size,
                            "loss_first_step": trainer.state.log_history[0].get("loss")}
 
 
@@ -237,8 +244,8 @@ def main() -> None:
         "spa_plain_torch": ("spa", {"stage": 0, "checkpointing": False, "max_length": 2048}),
     }
     if not args.skip_trl:
-        trainers["trl_default_gc"] = ("trl", {"checkpointing": None})  # TRL's default: checkpointing on
-        trainers["trl_no_gc"] = ("trl", {"checkpointing": False})
+        trainers["trl_defaults"] = ("trl", {"defaults": True})
+        trainers["trl_tuned"] = ("trl", {"defaults": False})
     peaks = [run_child("peak")["flops"]]
     runs: dict[str, dict] = {}
     for _ in range(args.repeats):  # interleaved, so a busy spell on the machine hits every trainer

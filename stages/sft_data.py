@@ -17,9 +17,11 @@ stops with a UserError that suggests one row per turn (`clean.unit=turn`).
 `<observation>...</observation>` and `<prediction>...</prediction>` get no loss; the tags stay
 trained. By default (the paper's main method) the states ARE trained, unlike SPA's released code.
 
-Over-long rows are left-truncated to `max_length` (the end of the conversation is kept, as in the
-paper's config) and counted; a row left with no trained token (or whose assistant messages all say
-`"train": false`) is dropped and counted. A row without an assistant message is an error.
+Tokens after the last trained one are cut (they carry no loss: a trailing untrained turn, the
+template's final newline). Over-long rows are then left-truncated to `max_length` (the end of the
+conversation is kept, as in the paper's config) and counted; a row left with no trained token (or
+whose assistant messages all say `"train": false`) is dropped and counted. A row without an
+assistant message is an error.
 
 Batching, measured on 2 CPU cores with SmolLM2-135M (fp32, SDPA, fwd+bwd): one row per micro-batch
 runs at ~150-160 tokens/s for rows of 250-1000 tokens, packing 2-4 rows into one sequence at
@@ -141,7 +143,10 @@ def tokenize_row(tokenizer, messages: list[dict], max_length: int, mask_states: 
             for lo, hi in state_spans(text, start, end):
                 _mark(mask, offsets, lo, hi, 0)
     mask[0] = 0  # the first token has no context to be predicted from
-    return _truncate_left(Example(row, ids, mask), max_length)
+    end = max((t + 1 for t, m in enumerate(mask) if m), default=len(ids))
+    # tokens after the last trained one feed no loss: cut them (and before the left truncation,
+    # so more context is kept)
+    return _truncate_left(Example(row, ids[:end], mask[:end]), max_length)
 
 
 def _message_spans(tokenizer, chat: list[dict], text: str, row: str,
@@ -253,11 +258,11 @@ def tokenize_rows(rows: list[dict], tokenizer, max_length: int, mask_states: boo
     for index, row in enumerate(rows):
         rid = row_id(row, index)
         example = tokenize_row(tokenizer, row["messages"], max_length, mask_states, row=rid)
-        stats.truncated += example.truncated > 0
         if example.trained == 0:
             stats.dropped_empty += 1
             stats.dropped_ids.append(rid)
             continue
+        stats.truncated += example.truncated > 0
         examples.append(example)
         stats.kept += 1
         stats.tokens += len(example)

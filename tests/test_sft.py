@@ -126,8 +126,7 @@ def untrained_roles(example: Example, tok, messages) -> set[str]:
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tok.apply_chat_template(chat, tokenize=False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    cut = len(enc["input_ids"]) - len(example)
-    offsets = enc["offset_mapping"][cut:]
+    offsets = enc["offset_mapping"][example.truncated:example.truncated + len(example)]
     regions, cursor = [], 0
     for m in chat:
         start = text.index(m["content"].strip(), cursor)
@@ -149,7 +148,9 @@ def test_masks_on_the_bundled_chatml_template(tokenizer):
     messages = conversation(rng, turns=3, train=[True, False, True])
     example = tokenize_row(tokenizer, messages, max_length=4096)
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
-    assert example.input_ids == list(tokenizer.apply_chat_template(chat, tokenize=True)["input_ids"])
+    rendered = list(tokenizer.apply_chat_template(chat, tokenize=True)["input_ids"])
+    assert example.input_ids == rendered[:len(example)]  # the same tokens, the untrained tail cut
+    assert tokenizer.decode(rendered[len(example):]) == "\n"
     expected = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant" and m["train"]]
     assert trained_runs(example, tokenizer) == expected
     assert untrained_roles(example, tokenizer, messages) == {"assistant"}
@@ -185,19 +186,22 @@ def test_no_row_has_an_empty_mask_or_trains_a_user_token(tokenizer, data):
         assert untrained_roles(example, tokenizer, row["messages"]) == {"assistant"}
 
 
-def test_left_truncation_keeps_the_end_and_drops_rows_left_without_loss(tokenizer):
+def test_left_truncation_keeps_the_end_and_untrained_rows_are_dropped(tokenizer):
     messages = conversation(random.Random(6), turns=3)
     full = tokenize_row(tokenizer, messages, max_length=4096)
     cut = tokenize_row(tokenizer, messages, max_length=100)
     assert len(cut) == 100 and cut.truncated == len(full) - 100
     assert cut.input_ids == full.input_ids[-100:]
     assert cut.mask[1:] == full.mask[-99:] and cut.mask[0] == 0
-    # only the first turn is trained, and it is cut away: the row is dropped and counted
-    late = conversation(random.Random(7), turns=3, train=[True, False, False])
-    rows = [{"id": "keep", "messages": messages}, {"id": "lost", "messages": late}]
+    # only the first turn is trained: the untrained tail goes first, so the truncation keeps it
+    early = conversation(random.Random(7), turns=3, train=[True, False, False])
+    silent = conversation(random.Random(8), turns=2, train=[False, False])
+    rows = [{"id": "keep", "messages": messages}, {"id": "early", "messages": early},
+            {"id": "silent", "messages": silent}]
     examples, stats = tokenize_rows(rows, tokenizer, max_length=100)
-    assert [e.id for e in examples] == ["keep"]
-    assert (stats.truncated, stats.dropped_empty, stats.dropped_ids) == (2, 1, ["lost"])
+    assert [e.id for e in examples] == ["keep", "early"]
+    assert tokenizer.decode(examples[1].input_ids).endswith(early[2]["content"] + "<|im_end|>")
+    assert (stats.truncated, stats.dropped_empty, stats.dropped_ids) == (2, 1, ["silent"])
 
 
 def test_a_template_that_rewrites_assistant_text_is_an_error(tokenizer):
@@ -399,7 +403,7 @@ def test_a_model_directory_without_a_tokenizer_is_an_error(tmp_path, data, tiny_
 
 def test_rows_too_long_for_any_loss_are_an_error(tmp_path, data, tiny_dir):
     with pytest.raises(UserError, match="max_length"):
-        sft.run(make_config(data, tiny_dir, tmp_path / "out", max_length=2))
+        sft.run(make_config(data, tiny_dir, tmp_path / "out", max_length=1))
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
