@@ -34,6 +34,16 @@ or ``Player on target (S) is at (r,c)``; (2) boxes off target, ``box (X) is at (
 ...`` / ``targets (O) are at ...``. Items that would be empty are left out; the rest are joined by
 ``"; "`` and end with ``"."``; positions within an item are in row-major order.
 
+Other vocabularies (SPA's SokobanDifferentGridVocab and SokobanDifferentActionVocab)
+------------------------------------------------------------------------------------
+``symbols`` maps meanings (``wall``, ``empty``, ``target``, ``box on target``, ``box``, ``player``,
+``player on target``) to other characters and ``actions`` maps ``Up``/``Down``/``Left``/``Right``
+to other names; unnamed ones keep SPA's. Everything the model reads follows: the grid, the
+coordinate line (``Player (A) is at ...``), the legend, the action list, and both instruction texts,
+whose example answers and world-model sample output are rendered with the new symbols and names.
+A symbol is one character other than whitespace, a digit, ``( ) , | < >`` (see ``FORBIDDEN_SYMBOLS``);
+symbols must differ from each other, and action names (compared case-insensitively) too.
+
 Room generation (gym-sokoban's recipe, with a faster reverse search)
 --------------------------------------------------------------------
 1. Topology: a random walk of ``int(1.7 * (dim + dim))`` steps that changes direction with
@@ -81,15 +91,17 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache
 from typing import ClassVar
 
 from envs.base import EnvError, TextGameEnv
 
-WALL, EMPTY, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET = "#", "_", "O", "√", "X", "P", "S"
-SYMBOLS = (WALL, EMPTY, TARGET, BOX_ON_TARGET, BOX, PLAYER, PLAYER_ON_TARGET)
 ACTIONS = ("Up", "Down", "Left", "Right")
+# Whitespace is stripped from state lines by the world-model metrics; digits, parentheses and commas
+# make up coordinates; a line starting with "|" reads as a Sudoku board; states sit inside
+# <observation> tags.
+FORBIDDEN_SYMBOLS = frozenset("0123456789(),|<>")
 # (row, col) change of each action, in ACTIONS order.
 MOVES = ((-1, 0), (1, 0), (0, -1), (0, 1))
 
@@ -113,7 +125,7 @@ _BASE_INSTRUCTION = (
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets "
     "You are provided with a symbol grid. When you are exactly next to a box, you can push it by moving "
     "in the same direction. You cannot push a box through a wall, and you cannot pull a box. The answer "
-    "should be a sequence of actions, like <answer>Right || Right || Up</answer>."
+    "should be a sequence of actions, like <answer>{right} || {right} || {up}</answer>."
 )
 # The "–" in the sample output is an en dash (U+2013), as in SPA's envs.yaml.
 _WORLD_MODEL_INSTRUCTION = (
@@ -122,19 +134,106 @@ _WORLD_MODEL_INSTRUCTION = (
     "each target. Coordinates range from the top-left corner (0, 0) to the bottom-right corner "
     "({last_row}, {last_col}). When you are exactly next to a box, you can push it by moving in the same "
     "direction. You cannot push a box through a wall, and you cannot pull a box. The answer should be a "
-    "sequence of actions, like <answer>Right || Right || Up</answer>. A sample full output is as "
-    "follows: <think> <observation>######\n#_####\n#_P###\n#_X#_#\n#__O_#\n######\nPlayer (P) is at "
-    "(2,2); box (X) is at (3,2); target (O) is at (4,3).</observation> 1 Down \u2013 I push box to (4,2). "
-    "2 Left \u2013 I step to (3,1). 3 Down \u2013 I stand left of box, ready to push it Right onto target. "
-    "<prediction>######\n#_####\n#__###\n#__#_#\n#PXO_#\n######</prediction> </think> <answer> Down || "
-    "Left || Down </answer>"
+    "sequence of actions, like <answer>{right} || {right} || {up}</answer>. A sample full output is as "
+    "follows: <think> <observation>{observation}</observation> 1 {down} \u2013 I push box to (4,2). "
+    "2 {left} \u2013 I step to (3,1). 3 {down} \u2013 I stand left of box, ready to push it {right} onto "
+    "target. <prediction>{prediction}</prediction> </think> <answer> {down} || {left} || {down} </answer>"
 )
+# SPA's sample: the room before and after Down, Left, Down, in SPA's symbols.
+_SAMPLE_OBSERVATION = "######\n#_####\n#_P###\n#_X#_#\n#__O_#\n######"
+_SAMPLE_PREDICTION = "######\n#_####\n#__###\n#__#_#\n#PXO_#\n######"
 
 
-def sokoban_instructions(height: int, width: int) -> dict[str, str]:
-    """SPA's two instruction texts; the world-model one names the grid's bottom-right corner."""
-    world_model = _WORLD_MODEL_INSTRUCTION.format(last_row=height - 1, last_col=width - 1)
-    return {"base": _BASE_INSTRUCTION, "world_model": world_model}
+@dataclass(frozen=True)
+class GridSymbols:
+    """The character of each kind of cell; the defaults are SPA's."""
+
+    wall: str = "#"
+    empty: str = "_"
+    target: str = "O"
+    box_on_target: str = "√"
+    box: str = "X"
+    player: str = "P"
+    player_on_target: str = "S"
+
+    @classmethod
+    def from_option(cls, symbols: dict[str, str] | None) -> GridSymbols:
+        """SPA's symbols with some replaced: `symbols` maps meanings ("box on target") to characters."""
+        meanings = {meaning: key for key, meaning in _meanings().items()}
+        chosen = {}
+        for meaning, char in _mapping_option("symbols", symbols).items():
+            if meaning not in meanings:
+                raise EnvError(f"Sokoban symbols has no meaning {meaning!r}; meanings: {', '.join(meanings)}")
+            if not isinstance(char, str) or len(char) != 1 or char.isspace() or char in FORBIDDEN_SYMBOLS:
+                raise EnvError(f"Sokoban symbol for {meaning!r} must be one character other than whitespace, "
+                               f"a digit or {' '.join(sorted(FORBIDDEN_SYMBOLS - set('0123456789')))}; "
+                               f"got {char!r}")
+            chosen[meanings[meaning]] = char
+        grid_symbols = cls(**chosen)
+        if len(set(grid_symbols.legend())) != len(_meanings()):
+            raise EnvError(f"Sokoban symbols must all differ, got {' '.join(grid_symbols.legend())}")
+        return grid_symbols
+
+    def legend(self) -> dict[str, str]:
+        """Symbol -> meaning, in SPA's order (what the prompt shows)."""
+        return {getattr(self, key): meaning for key, meaning in _meanings().items()}
+
+
+def _meanings() -> dict[str, str]:
+    """GridSymbols field -> the meaning the legend shows ("box_on_target" -> "box on target")."""
+    return {f.name: f.name.replace("_", " ") for f in fields(GridSymbols)}
+
+
+DEFAULT_SYMBOLS = GridSymbols()
+
+
+def action_names_from_option(actions: dict[str, str] | None) -> tuple[str, ...]:
+    """The four move names in ACTIONS order, with those named in `actions` (e.g. {"Up": "North"}) replaced."""
+    renamed = _mapping_option("actions", actions)
+    for move in renamed:
+        if move not in ACTIONS:
+            raise EnvError(f"Sokoban actions has no move {move!r}; moves: {', '.join(ACTIONS)}")
+    names = []
+    for move in ACTIONS:
+        name = renamed.get(move, move)
+        if not isinstance(name, str) or not name.strip() or "||" in name or name != name.strip():
+            raise EnvError(f"Sokoban action name for {move} must be non-empty text without surrounding "
+                           f"spaces or '||', got {name!r}")
+        names.append(name)
+    if len({name.lower() for name in names}) != len(names):
+        raise EnvError(f"Sokoban action names must differ (ignoring case), got {', '.join(names)}")
+    return tuple(names)
+
+
+def _mapping_option(option: str, value: dict[str, str] | None) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise EnvError(f"Sokoban {option} must be a mapping, got {value!r}")
+    return value
+
+
+def sokoban_instructions(height: int, width: int, symbols: GridSymbols = DEFAULT_SYMBOLS,
+                         action_names: tuple[str, ...] = ACTIONS) -> dict[str, str]:
+    """SPA's two instruction texts; the world-model one names the grid's bottom-right corner.
+
+    The example answers use `action_names` and the sample output is rendered in `symbols`, so a
+    game with another vocabulary is described in its own terms.
+    """
+    base, world_model = _instruction_texts(height, width, symbols, action_names)
+    return {"base": base, "world_model": world_model}
+
+
+@cache  # every reset asks again; rendering the sample would be a quarter of a 6x6 reset's time
+def _instruction_texts(height: int, width: int, symbols: GridSymbols,
+                       action_names: tuple[str, ...]) -> tuple[str, str]:
+    names = dict(zip(("up", "down", "left", "right"), action_names))
+    before, after = parse_grid(_SAMPLE_OBSERVATION), parse_grid(_SAMPLE_PREDICTION)
+    observation = f"{grid_text(before, symbols)}\n{coordinate_text(before, symbols)}"
+    world_model = _WORLD_MODEL_INSTRUCTION.format(last_row=height - 1, last_col=width - 1,
+                                                  observation=observation,
+                                                  prediction=grid_text(after, symbols), **names)
+    return _BASE_INSTRUCTION.format(**names), world_model
 
 
 # ---- the room ------------------------------------------------------------------------------
@@ -167,63 +266,69 @@ class Room:
         return Room(self.height, self.width, self.walls, self.targets, list(self.boxes), self.player)
 
 
-def parse_grid(text: str) -> Room:
+def parse_grid(text: str, symbols: GridSymbols = DEFAULT_SYMBOLS) -> Room:
     """Read a grid in the render format. The outer ring must be wall, so no move leaves the grid."""
     rows = text.strip("\n").split("\n")
     height, width = len(rows), len(rows[0])
     if any(len(row) != width for row in rows):
         raise EnvError("Sokoban grid rows must all have the same length")
+    known = symbols.legend()
     walls, targets, boxes, players = [], [], [], []
     for r, row in enumerate(rows):
         for c, ch in enumerate(row):
-            if ch not in SYMBOLS:
-                raise EnvError(f"unknown Sokoban symbol {ch!r} at ({r},{c}); symbols: {' '.join(SYMBOLS)}")
+            if ch not in known:
+                raise EnvError(f"unknown Sokoban symbol {ch!r} at ({r},{c}); symbols: {' '.join(known)}")
             on_border = r in (0, height - 1) or c in (0, width - 1)
-            if on_border and ch != WALL:
+            if on_border and ch != symbols.wall:
                 raise EnvError(f"the outer ring of a Sokoban grid must be wall; ({r},{c}) is {ch!r}")
             cell = r * width + c
-            walls.append(ch == WALL)
-            if ch in (TARGET, BOX_ON_TARGET, PLAYER_ON_TARGET):
+            walls.append(ch == symbols.wall)
+            if ch in (symbols.target, symbols.box_on_target, symbols.player_on_target):
                 targets.append(cell)
-            if ch in (BOX, BOX_ON_TARGET):
+            if ch in (symbols.box, symbols.box_on_target):
                 boxes.append(cell)
-            if ch in (PLAYER, PLAYER_ON_TARGET):
+            if ch in (symbols.player, symbols.player_on_target):
                 players.append(cell)
     if len(players) != 1:
-        raise EnvError(f"a Sokoban grid needs exactly one player (P or S), found {len(players)}")
+        raise EnvError(f"a Sokoban grid needs exactly one player ({symbols.player} or "
+                       f"{symbols.player_on_target}), found {len(players)}")
     if not boxes or len(boxes) != len(targets):
         raise EnvError(f"a Sokoban grid needs as many boxes as targets, at least one; "
                        f"found {len(boxes)} boxes and {len(targets)} targets")
     return Room(height, width, tuple(walls), tuple(targets), boxes, players[0])
 
 
-def grid_text(room: Room) -> str:
-    chars = [WALL if wall else EMPTY for wall in room.walls]
+def grid_text(room: Room, symbols: GridSymbols = DEFAULT_SYMBOLS) -> str:
+    chars = [symbols.wall if wall else symbols.empty for wall in room.walls]
     for target in room.targets:
-        chars[target] = TARGET
+        chars[target] = symbols.target
     for box in room.boxes:
-        chars[box] = BOX_ON_TARGET if box in room.target_set else BOX
-    chars[room.player] = PLAYER_ON_TARGET if room.player in room.target_set else PLAYER
+        chars[box] = symbols.box_on_target if box in room.target_set else symbols.box
+    chars[room.player] = symbols.player_on_target if room.player in room.target_set else symbols.player
     width = room.width
     return "\n".join("".join(chars[start:start + width]) for start in range(0, len(chars), width))
 
 
-def coordinate_text(room: Room) -> str:
+def coordinate_text(room: Room, symbols: GridSymbols = DEFAULT_SYMBOLS) -> str:
     def where(cells: list[int]) -> str:
         return ", ".join(f"({cell // room.width},{cell % room.width})" for cell in sorted(cells))
 
-    def item(one: str, many: str, cells: list[int]) -> list[str]:
+    def item(one: str, many: str, symbol: str, cells: list[int]) -> list[str]:
         if not cells:
             return []
-        return [f"{one} is at {where(cells)}" if len(cells) == 1 else f"{many} are at {where(cells)}"]
+        if len(cells) == 1:
+            return [f"{one} ({symbol}) is at {where(cells)}"]
+        return [f"{many} ({symbol}) are at {where(cells)}"]
 
+    s = symbols
     player_on_target = room.player in room.target_set
-    player = "Player on target (S)" if player_on_target else "Player (P)"
+    player = f"Player on target ({s.player_on_target})" if player_on_target else f"Player ({s.player})"
     items = [f"{player} is at {where([room.player])}"]
-    items += item("box (X)", "boxes (X)", [b for b in room.boxes if b not in room.target_set])
-    items += item("box on target (√)", "boxes on target (√)", [b for b in room.boxes if b in room.target_set])
+    items += item("box", "boxes", s.box, [b for b in room.boxes if b not in room.target_set])
+    items += item("box on target", "boxes on target", s.box_on_target,
+                  [b for b in room.boxes if b in room.target_set])
     covered = set(room.boxes) | {room.player}
-    items += item("target (O)", "targets (O)", [t for t in room.targets if t not in covered])
+    items += item("target", "targets", s.target, [t for t in room.targets if t not in covered])
     return "; ".join(items) + "."
 
 
@@ -388,17 +493,17 @@ class SokobanEnv(TextGameEnv):
     """Sokoban with push actions; see the module docstring for rules, formats and generation."""
 
     name: ClassVar[str] = "sokoban"
+    # The class attributes are SPA's vocabulary; an instance built with `symbols` or `actions`
+    # carries its own legend, action names and instructions.
     action_names: ClassVar[tuple[str, ...]] = ACTIONS
-    legend: ClassVar[dict[str, str]] = {
-        "#": "wall", "_": "empty", "O": "target", "√": "box on target", "X": "box", "P": "player",
-        "S": "player on target",
-    }
+    legend: ClassVar[dict[str, str]] = DEFAULT_SYMBOLS.legend()
     # Per instance: the world-model text names the room's bottom-right corner (5, 5 at 6x6).
     instructions: ClassVar[dict[str, str]] = sokoban_instructions(6, 6)
     max_actions_per_traj: ClassVar[int] = 10
 
     def __init__(self, dim: int = 6, num_boxes: int = 1, max_steps: int = 100, search_depth: int = 300,
-                 render_mode: str = "coords"):
+                 render_mode: str = "coords", symbols: dict[str, str] | None = None,
+                 actions: dict[str, str] | None = None):
         super().__init__(render_mode=render_mode)
         if dim < 5:  # a pull needs three floor cells in a row inside the wall ring
             raise EnvError(f"Sokoban dim must be at least 5, got {dim}")
@@ -408,17 +513,21 @@ class SokobanEnv(TextGameEnv):
             raise EnvError("Sokoban max_steps and search_depth must be positive")
         self.dim, self.num_boxes = dim, num_boxes
         self.max_steps, self.search_depth = max_steps, search_depth
-        self.instructions = sokoban_instructions(dim, dim)
+        self.symbols = GridSymbols.from_option(symbols)
+        self.action_names = action_names_from_option(actions)
+        self.legend = self.symbols.legend()
+        self._describe(dim, dim)
         self.room: Room | None = None
         self.num_env_steps = 0
 
     @classmethod
     def from_grid(cls, text: str, **kwargs) -> SokobanEnv:
-        """An env already holding the room drawn in `text` (render format), e.g. for tests.
+        """An env already holding the room drawn in `text` (render format, in the `symbols` given
+        among `kwargs`, if any), e.g. for tests.
 
         `reset()` still generates random rooms; `load_grid` puts a drawn room back.
         """
-        room = parse_grid(text)
+        room = parse_grid(text, GridSymbols.from_option(kwargs.get("symbols")))
         kwargs.setdefault("dim", max(5, room.height, room.width))  # the size reset() generates
         kwargs.setdefault("num_boxes", len(room.boxes))
         env = cls(**kwargs)
@@ -427,16 +536,20 @@ class SokobanEnv(TextGameEnv):
 
     def load_grid(self, text: str) -> None:
         """Replace the current room by the one drawn in `text` and restart the step count."""
-        self.room = parse_grid(text)
+        self.room = parse_grid(text, self.symbols)
         self.num_env_steps = 0
-        self.instructions = sokoban_instructions(self.room.height, self.room.width)
+        self._describe(self.room.height, self.room.width)
+
+    def _describe(self, height: int, width: int) -> None:
+        """The instruction texts for a room of this size in this env's vocabulary."""
+        self.instructions = sokoban_instructions(height, width, self.symbols, self.action_names)
 
     # ---- TextGameEnv hooks ---------------------------------------------------------------
 
     def _reset(self, rng: random.Random) -> None:
         self.room = generate_room(rng, self.dim, self.num_boxes, self.search_depth)
         self.num_env_steps = 0
-        self.instructions = sokoban_instructions(self.dim, self.dim)
+        self._describe(self.dim, self.dim)
 
     def _step(self, action: str) -> tuple[float, bool, bool, dict]:
         room = self._require_room()
@@ -446,17 +559,17 @@ class SokobanEnv(TextGameEnv):
             truncated = not solved and self.num_env_steps >= self.max_steps
             return 0.0, solved, truncated, self._info(valid=False, effective=False)
         self.num_env_steps += 1
-        moved, box_reward = self._move(room, room.offset(ACTIONS.index(name)))
+        moved, box_reward = self._move(room, room.offset(self.action_names.index(name)))
         solved = room.solved()
         reward = -0.1 + box_reward + (10.0 if solved else 0.0)
         truncated = not solved and self.num_env_steps >= self.max_steps
         return round(reward, 10), solved, truncated, self._info(valid=True, effective=moved)
 
     def render_grid(self) -> str:
-        return grid_text(self._require_room())
+        return grid_text(self._require_room(), self.symbols)
 
     def coordinate_line(self) -> str:
-        return coordinate_text(self._require_room())
+        return coordinate_text(self._require_room(), self.symbols)
 
     # ---- helpers -------------------------------------------------------------------------
 
