@@ -46,6 +46,8 @@ class TextGameEnv(gymnasium.Env):
     #: Canonical action names the model may write (e.g. Up/Down/Left/Right); None for free-form
     #: moves (Sudoku's "r,c,v").
     action_names: ClassVar[tuple[str, ...] | None] = None
+    #: How a free-form move is written, for listings such as `spa envs` (Sudoku: "r,c,v").
+    move_format: ClassVar[str] = ""
     #: Grid symbol -> meaning, shown to the model as a legend; None when the game has none.
     legend: ClassVar[dict[str, str] | None] = None
     #: Instruction texts quoted from the SPA configs, one per prompt mode.
@@ -81,9 +83,11 @@ class TextGameEnv(gymnasium.Env):
     # ---- text ----------------------------------------------------------------------------
 
     def render_text(self, coordinates: bool) -> str:
-        """The grid, followed by the coordinate line when ``coordinates`` is true."""
+        """The grid, followed by the coordinate line when ``coordinates`` is true and the game has one
+        (a game without coordinates returns an empty `coordinate_line`)."""
         grid = self.render_grid()
-        return f"{grid}\n{self.coordinate_line()}" if coordinates else grid
+        line = self.coordinate_line() if coordinates else ""
+        return f"{grid}\n{line}" if line else grid
 
     def instruction(self, prompt_mode: str) -> str:
         if prompt_mode not in PROMPT_MODES:
@@ -111,7 +115,9 @@ class TextGameEnv(gymnasium.Env):
         raise NotImplementedError
 
     def render_grid(self) -> str:
+        """The state as the model sees it in render mode "text"."""
         raise NotImplementedError
 
     def coordinate_line(self) -> str:
+        """The line render mode "coords" adds under the grid; "" for a game without one."""
         raise NotImplementedError

@@ -60,6 +60,11 @@ SPECS: dict[str, EnvSpec] = {
         EnvSpec("sudoku", "spa/Sudoku-v0", "envs.sudoku:SudokuEnv",
                 {"difficulty": "easy"},
                 "Sudoku 4x4, unique solution, 6 blanks"),
+        EnvSpec("countdown", "spa/Countdown-v0", "envs.countdown:CountdownEnv",
+                {"count": 4, "max_number": 20, "max_target": 100},
+                "Countdown: reach the target from 4 numbers with + - * / (one answer)"),
+        EnvSpec("qa", "spa/QA-v0", "envs.qa:QAEnv", {},
+                "Questions with final answers from a JSONL file (needs option path)"),
     ]
 }
 
