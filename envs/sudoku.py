@@ -161,6 +161,7 @@ def dig_holes(rng: random.Random, solution: Board, target_clues: int) -> Board:
 class SudokuEnv(TextGameEnv):
     name: ClassVar[str] = "sudoku"
     action_names: ClassVar[None] = None
+    move_format: ClassVar[str] = "r,c,v (1-indexed)"
     legend: ClassVar[None] = None
     instructions: ClassVar[dict[str, str]] = INSTRUCTIONS
     max_actions_per_traj: ClassVar[int] = 50

@@ -237,11 +237,16 @@ def envs() -> None:
     import envs as registry
 
     table = Table("name", "gymnasium id", "settings", "actions / turn budget", "what")
-    for spec in registry.SPECS.values():
-        cls = spec.load_class()
+    for name in registry.names():
+        spec = registry.spec(name)
+        try:
+            game = registry.make(name)  # settings such as other action names live on the instance
+        except Exception:  # noqa: BLE001 - a game needing an option (qa: path) is described by its class
+            game = spec.load_class()
         settings = ", ".join(f"{k}={v}" for k, v in spec.kwargs.items())
-        actions = " | ".join(cls.action_names) if cls.action_names else "r,c,v moves"
-        table.add_row(spec.name, spec.gym_id, settings, f"{actions} / {cls.max_actions_per_traj}", spec.summary)
+        actions = " | ".join(game.action_names) if game.action_names else getattr(game, "move_format", "")
+        table.add_row(name, spec.gym_id, settings, f"{actions or 'free-form'} / {game.max_actions_per_traj}",
+                      spec.summary)
     console.print(table)
 
 

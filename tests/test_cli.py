@@ -1,7 +1,9 @@
 """The `spa` command line as a user meets it: help, config, envs, play, and one-line errors."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -51,8 +53,13 @@ def test_envs_lists_the_games(monkeypatch):
     monkeypatch.setattr(main.console, "width", 250)
     result = invoke("envs")
     assert result.exit_code == 0
-    for name in ("sokoban", "sokoban_hard", "frozen_lake", "frozen_lake_6x6", "sudoku"):
-        assert name in result.output
+    for name in ("sokoban", "sokoban_hard", "frozen_lake", "frozen_lake_6x6", "sudoku", "sokoban_2boxes",
+                 "sokoban_grid_vocab", "sokoban_action_vocab", "countdown", "qa"):
+        assert f"│ {name} " in result.output
+    # each game's own moves and budget, free-form ones included
+    for moves in ("North | South | West | East / 10", "r,c,v (1-indexed) / 50", "one equation / 1",
+                  "the final answer / 1"):
+        assert moves in result.output
 
 
 def test_play_scripted_actions_show_reward_and_state():
@@ -73,5 +80,38 @@ def test_play_interactive_reprompts_on_garbage_and_quits():
 
 
 def test_console_script_is_installed():
-    out = subprocess.run([sys.executable, "-m", "spa_cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "spa_cli", "--help"], capture_output=True, text=True,
+                         check=False)
     assert out.returncode == 0 and "generate" in out.stdout
+
+
+# ---- games from elsewhere (--env module:Class) ----------------------------------------------------
+
+def test_env_import_path_errors_are_one_line(tmp_path, monkeypatch):
+    (tmp_path / "spa_cli_half_game.py").write_text("class Half:\n    name = 'half'\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = str(tmp_path / "t.jsonl")
+    for env, message in [
+        ("spa_cli_no_such_module:Game", ("error: env 'spa_cli_no_such_module:Game': cannot import "
+                                         "'spa_cli_no_such_module': ModuleNotFoundError")),
+        ("spa_cli_half_game:Half", ("error: env 'spa_cli_half_game:Half' does not follow the game API (see "
+                                    "envs/base.py); it lacks: action_names, legend, max_actions_per_traj, "
+                                    "reset, step, render, render_text, instruction, parse_action, "
+                                    "sample_action, a render_mode argument of __init__")),
+    ]:
+        result = invoke("generate", "--env", env, "--backend", "random", "--out", out)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(message), result.output
+
+
+def test_generate_plays_a_game_given_as_an_import_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # where examples/ is
+    out = tmp_path / "t.jsonl"
+    result = invoke("generate", "--env", "examples.double_or_add:DoubleOrAdd", "--backend", "random",
+                    "--groups", "2", "--group-size", "2", "--out", str(out), "-q")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(row["id"] for row in rows) == [f"examples.double_or_add:DoubleOrAdd-{seed}-{sample}"
+                                                 for seed in (10000, 10001) for sample in (0, 1)]
+    assert rows[0]["turns"][0]["state"].startswith("Value: 1; target: ")
