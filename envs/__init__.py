@@ -1,4 +1,5 @@
-"""The text games of SPA, in pure Python (no torch): Sokoban, FrozenLake and Sudoku."""
+"""The text games of SPA, in pure Python (no torch): Sokoban and its variants, FrozenLake, Sudoku,
+Countdown and QA; and games from elsewhere, by import path or entry point (`envs.registry`)."""
 
 from envs.base import PROMPT_MODES, RENDER_MODES, EnvError, TextGameEnv
 from envs.registry import SPECS, make, names, register_with_gymnasium, spec
