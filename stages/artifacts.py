@@ -9,10 +9,12 @@ loses only the episodes in flight; a torn last line is detected and dropped on r
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -24,6 +26,8 @@ from typing import Any, TextIO
 from stages.errors import UserError
 
 MANIFEST_NAME = "manifest.json"
+#: A failed checkpoint write with less free space than this on its filesystem was a full disk.
+FULL_DISK_SLACK = 1 << 20
 
 
 @contextlib.contextmanager
@@ -38,19 +42,80 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[TextIO]:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise _naming(err, path) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
 
 
+def _naming(err: OSError, path: Path) -> OSError:
+    """`err` with the artifact's path: a failed write() or fsync() (a full disk) names no file."""
+    if err.filename is not None:
+        return err
+    return type(err)(err.errno, err.strerror, str(path))
+
+
 def ensure_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"cannot create directory {path.parent}: {err.strerror}") from None
+        raise UserError(f"cannot create directory {path.parent}: {err.strerror}; choose another path") from None
     if not os.access(path.parent, os.W_OK):
-        raise UserError(f"cannot write to {path.parent}: permission denied")
+        raise UserError(f"cannot write to {path.parent}: permission denied or read-only; choose another path")
+
+
+@contextlib.contextmanager
+def full_disk_as_oserror(directory: str | Path) -> Iterator[None]:
+    """torch.save and safetensors report a full disk as a RuntimeError ("unexpected pos ...") or a
+    SafetensorError, without an errno. When the target filesystem is indeed full, re-raise such a
+    failure as OSError(ENOSPC) naming `directory`, which the CLI reports in one line."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as err:
+        if not _nearly_full(Path(directory)):
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory)) from err
+
+
+def _nearly_full(directory: Path) -> bool:
+    while not directory.exists():
+        directory = directory.parent
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize < FULL_DISK_SLACK
+
+
+def check_writable(path: str | Path) -> None:
+    """Refuse, before any work, an output path that cannot be written: its nearest existing
+    ancestor must be a directory this process may write into."""
+    target = Path(path).absolute()
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if existing != target and not existing.is_dir():
+        raise UserError(f"cannot create {path}: {existing} is a file; choose another path")
+    directory = existing if existing.is_dir() else existing.parent
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to {directory} (permission denied or read-only); choose another path")
+
+
+def remove_leftovers(directory: str | Path) -> None:
+    """Delete what interrupted writes left under `directory`: temp files and directories, which are
+    hidden and named `*.tmp` or `*.old` (atomic_write's, and the stages' checkpoint temps)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    leftovers = [p for p in directory.rglob(".*") if p.suffix in (".tmp", ".old")]
+    for path in sorted(leftovers, key=lambda p: len(p.parts)):  # parents first; their children go with them
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -60,9 +125,20 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    with atomic_write(path) as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl_files({Path(path): rows})
+
+
+def write_jsonl_files(files: dict[Path, list[dict]]) -> None:
+    """Several JSONL files that belong together (a train/validation split): every temp file is
+    written and synced before the first one replaces its target, so a failure (a full disk, a
+    kill) leaves the old set or the new one, never a mix."""
+    with contextlib.ExitStack() as stack:
+        for path, rows in files.items():
+            handle = stack.enter_context(atomic_write(path))
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def read_json(path: str | Path) -> Any:
@@ -116,21 +192,33 @@ def _row_problem(line: str, required: tuple[str, ...]) -> str | None:
 
 
 class JsonlAppender:
-    """Append rows to a JSONL file, flushing each, after dropping a torn last line from a kill."""
+    """Append rows to a JSONL file, each synced to disk, after dropping a torn last line from a kill.
+
+    A row that cannot be written whole (a full disk, an interrupt) is cut off again, so the file
+    only ever holds whole rows. Unbuffered writes: nothing is left pending for close() to retry.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         ensure_parent(self.path)
         _drop_torn_tail(self.path)
-        self._handle = self.path.open("a", encoding="utf-8")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def append(self, row: dict) -> None:
-        self._handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
+        data = memoryview((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        size = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            os.fsync(self._fd)
+        except BaseException as err:
+            os.ftruncate(self._fd, size)
+            if isinstance(err, OSError):
+                raise _naming(err, self.path) from None
+            raise
 
     def close(self) -> None:
-        self._handle.close()
+        os.close(self._fd)
 
     def __enter__(self) -> JsonlAppender:
         return self
