@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.artifacts import full_disk_as_oserror
 from stages.errors import UserError
 
 DEEPSPEED_DIR = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
@@ -225,13 +226,12 @@ class TorchEngine:
         import torch
 
         path.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "client": client}, path / STATE_FILE)
+        with full_disk_as_oserror(path):
+            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "client": client}, path / STATE_FILE)
 
     def load_state(self, path: Path) -> dict:
-        import torch
-
-        state = torch.load(path / STATE_FILE, map_location=self.device, weights_only=False)
+        state = load_weights_only(path / STATE_FILE, map_location=self.device)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -257,6 +257,9 @@ class DeepSpeedEngine:
         self.module = self.engine.module
         self.world = dist.world
         self.stage = ds_config["zero_optimization"]["stage"]
+        # Every file DeepSpeed's load_checkpoint reads goes through its checkpoint engine's load(),
+        # which calls torch.load(weights_only=False) in DeepSpeed 0.16-0.19; read them safely instead.
+        self.engine.checkpoint_engine.load = _load_deepspeed_file
 
     def __call__(self, **inputs):
         return self.engine(**inputs)
@@ -276,7 +279,8 @@ class DeepSpeedEngine:
         return float(norm) if norm is not None else float("nan")
 
     def save_state(self, path: Path, client: dict) -> None:
-        self.engine.save_checkpoint(str(path), tag=DS_TAG, client_state={"client": client}, save_latest=False)
+        with full_disk_as_oserror(path):
+            self.engine.save_checkpoint(str(path), tag=DS_TAG, client_state={"client": client}, save_latest=False)
 
     def load_state(self, path: Path) -> dict:
         loaded, client = self.engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
@@ -290,6 +294,35 @@ class DeepSpeedEngine:
         if self.stage < 3:
             return None
         return self.engine._zero3_consolidated_16bit_state_dict()
+
+
+def load_weights_only(path: Path, map_location: Any = None, allowed: list | None = None) -> Any:
+    """torch.load that unpickles tensors and plain values only (and the `allowed` classes): a
+    trainer state is data, and a tampered one must not run code. Anything else is a UserError."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(allowed or []):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else "unsupported content"
+        raise UserError(f"{path} holds more than tensors and plain values ({reason}); spa does not unpickle "
+                        "it; resume from a state spa wrote, or start a new --out") from None
+
+
+def _deepspeed_state_classes() -> list:
+    """The classes DeepSpeed pickles into its ZeRO-1/2/3 states besides tensors and plain values."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _load_deepspeed_file(path: str, map_location: Any = None) -> Any:
+    return load_weights_only(Path(path), map_location, _deepspeed_state_classes())
 
 
 def deepspeed_config(stage: int, offload: bool, grad_clip: float, device: str, mixed: str | None,
@@ -369,10 +402,11 @@ def write_pretrained(model, tokenizer, path: Path, state_dict: dict | None = Non
         base = model.get_base_model()
         state_dict, model = merged_lora_state_dict(model), base
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp"))
     try:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with full_disk_as_oserror(tmp):
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -407,7 +441,7 @@ def merged_lora_state_dict(peft_model) -> dict:
 
 def link_or_copy_tree(src: Path, dst: Path) -> None:
     """`dst` as a copy of the checkpoint `src`, hard-linking files where the filesystem allows."""
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}-"))
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}-", suffix=".tmp"))
     try:
         for item in src.iterdir():
             if not item.is_file():

@@ -8,6 +8,9 @@
 * a local Hugging Face directory (`save_pretrained` output, e.g. a `spa sft` checkpoint);
 * a hub id (``org/name``), loaded only when the network allows.
 
+Weights load from safetensors only: a pickled `pytorch_model.bin` can run code when loaded, so a
+directory or hub repo without safetensors is refused.
+
 Device and precision: CUDA when present, else CPU; bf16 on GPU, fp32 on CPU; flash-attention 2
 when installed on CUDA, else SDPA. `trust_remote_code` stays off unless asked for.
 """
@@ -48,8 +51,11 @@ def resolve_model(name: str) -> str:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"model directory {path} has no config.json; pass a save_pretrained directory")
-        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-            raise UserError(f"model directory {path} has no weights (*.safetensors)")
+        if not any(path.glob("*.safetensors")):
+            pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+            found = f"only pickled weights ({', '.join(pickled)}), which spa does not load" if pickled else "no weights"
+            raise UserError(f"model directory {path} has {found}; spa loads *.safetensors only: save the model with "
+                            "save_pretrained(..., safe_serialization=True)")
         return str(path)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         builtins = ", ".join(BUILTIN_MODELS)
@@ -155,16 +161,11 @@ def load_model(name: str, device: str = "auto", dtype: str = "auto", attn: str =
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=pick_attention(attn, device),
-            trust_remote_code=trust_remote_code, use_safetensors=not _has_only_bin(path),
+            trust_remote_code=trust_remote_code, use_safetensors=True,  # never unpickle weights
         )
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load a causal LM from {path!r}: {_first_line(err)}") from None
     return model.to(device), load_tokenizer(name, trust_remote_code)
-
-
-def _has_only_bin(path: str) -> bool:
-    p = Path(path)
-    return p.is_dir() and not any(p.glob("*.safetensors")) and any(p.glob("*.bin"))
 
 
 def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4):

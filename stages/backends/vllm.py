@@ -43,7 +43,8 @@ class VLLMBackend:
             dtype = "bfloat16"  # what stages.models loads on GPU; a float32 checkpoint would stay float32
         kwargs = {"model": model_path, "tokenizer": model_path, "dtype": dtype,
                   "gpu_memory_utilization": gpu_memory_utilization, "seed": seed, "enable_prefix_caching": True,
-                  "max_model_len": max_model_len, "trust_remote_code": trust_remote_code}
+                  "max_model_len": max_model_len, "trust_remote_code": trust_remote_code,
+                  "load_format": "safetensors"}  # never unpickle weights (a hub repo with .bin only)
         self.logprobs_mode = "processed_logprobs"
         try:
             self.llm = vllm.LLM(**kwargs, logprobs_mode=self.logprobs_mode)
