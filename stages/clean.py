@@ -65,13 +65,17 @@ def run(config: SPAConfig) -> dict[str, Any]:
     options = config.clean
     check_options(config)
     rows, bad_lines = artifacts.read_jsonl(options.data, skip_bad=options.skip_bad, required=REQUIRED)
+    if not rows and not bad_lines:
+        raise UserError(f"{options.data} holds no trajectories; write it with `spa generate` (or check the path)")
     result = clean_trajectories(rows, config)
+    if rows and result.dropped_trajectories["malformed"] == len(rows):
+        raise UserError(f"no line of {options.data} is a trajectory (line 1: {trajectory_problem(rows[0])}); "
+                        "write it with `spa generate`")
     result.dropped_trajectories["bad_line"] = bad_lines
 
     out = Path(options.out)
     val_out = artifacts.val_path(out)
-    artifacts.write_jsonl(out, result.train)
-    artifacts.write_jsonl(val_out, result.val)
+    artifacts.write_jsonl_files({out: result.train, val_out: result.val})
     summary = {
         "out": str(out), "val_out": str(val_out),
         "trajectories": len(rows) + bad_lines,
@@ -100,6 +104,7 @@ def check_options(config: SPAConfig) -> None:
         raise UserError(f"clean.out ({options.out}) is a directory; give a .jsonl file path")
     if Path(options.out).resolve() == Path(options.data).resolve():
         raise UserError(f"clean.out ({options.out}) would overwrite the input; choose another path")
+    artifacts.check_writable(options.out)
 
 
 @dataclass

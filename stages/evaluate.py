@@ -75,6 +75,13 @@ def sample_plan(config: SPAConfig) -> tuple[int, int]:
     return n, ev.pass_k
 
 
+def check_out(out: str | Path) -> None:
+    """Refuse a report path that cannot be written before any episode is played."""
+    if Path(out).is_dir():
+        raise UserError(f"eval.out ({out}) is a directory; give a .json file path")
+    artifacts.check_writable(out)
+
+
 def eval_seeds(config: SPAConfig) -> list[int]:
     return list(range(config.eval.first_seed, config.eval.first_seed + config.eval.seeds))
 
@@ -100,9 +107,11 @@ def run(config: SPAConfig, *, backend: Any = None, tokenizer: Any = None, model:
     token-level backends, its ``tokenizer``; ``model`` (an HF causal LM) is used for the state
     perplexity when ``eval.state_ppl`` is on.
     """
-    from stages.rollout import episode_id, model_label, play
+    from stages.rollout import check_rollout, episode_id, model_label, play
 
     n, k = sample_plan(config)
+    check_rollout(config)
+    check_out(config.eval.out)
     env = make_env(config)
     seeds = eval_seeds(config)
     if backend is None:
@@ -541,12 +550,26 @@ def print_report(report: dict, console: Any) -> None:
     console.print(report_renderable(report), highlight=False)
 
 
+PLOT_NEEDS_MATPLOTLIB = "--plot needs matplotlib: pip install 'spa[plot]'"
+
+
+def check_plot(path: str | Path) -> None:
+    """Refuse a plot that could not be drawn (no matplotlib, a path that cannot be written)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserError(PLOT_NEEDS_MATPLOTLIB)
+    if Path(path).is_dir():
+        raise UserError(f"--plot {path} is a directory; give a .png file path")
+    artifacts.check_writable(path)
+
+
 def plot_pass_at_k(reports: dict | Sequence[dict], path: str | Path) -> Path:
     """Draw Pass@k against k (one line per report) into a PNG; needs matplotlib (the `plot` extra)."""
     try:
         import matplotlib
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'spa[plot]'") from None
+        raise UserError(PLOT_NEEDS_MATPLOTLIB) from None
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.ticker import MaxNLocator

@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
+import envs
 from stages import artifacts
 from stages.config import SPAConfig, to_dict
 from stages.errors import UserError
@@ -41,9 +42,10 @@ def run(config: SPAConfig, *, backend: Any = None, tokenizer: Any = None) -> dic
     seeds = list(range(config.rollout.seed, config.rollout.seed + config.rollout.groups))
     wanted = [episode_id(config.env.name, seed, sample)
               for seed in seeds for sample in range(config.rollout.group_size)]
-    done_ids = _resume(out, config)
+    _check_resumable(out, config)
     if backend is None:
         backend, tokenizer = open_backend(config)
+    done_ids = _resume(out, config)  # writes the manifest: only once nothing can fail on bad input
 
     started = time.perf_counter()
     todo = [key for key in wanted if key not in done_ids]
@@ -73,8 +75,10 @@ def check_settings(config: SPAConfig) -> None:
         if value < 1:
             raise UserError(f"rollout.{key} must be at least 1, got {value} (--{key.replace('_', '-')})")
     check_rollout(config)
+    envs.make(config.env.name, render_mode=config.env.render_mode, **config.env.options)  # name, options
     if Path(config.generate.out).is_dir():
         raise UserError(f"generate.out ({config.generate.out}) is a directory; give a .jsonl file path")
+    artifacts.check_writable(config.generate.out)
 
 
 def settings_key(config: SPAConfig) -> dict[str, Any]:
@@ -83,20 +87,30 @@ def settings_key(config: SPAConfig) -> dict[str, Any]:
     return {"env": to_dict(config)["env"], "model": config.model.name, "rollout": rollout}
 
 
-def _resume(out: Path, config: SPAConfig) -> set[str]:
-    """Ids already in `out`, after checking the file was made with the same settings."""
+def _has_rows(out: Path) -> bool:
+    return out.is_file() and out.stat().st_size > 0
+
+
+def _check_resumable(out: Path, config: SPAConfig) -> None:
+    """Episodes already in `out` may be resumed only if they were made with the same settings."""
+    if not _has_rows(out):
+        return
     manifest_path = out.with_name(out.name + ".manifest.json")
-    has_rows = out.is_file() and out.stat().st_size > 0
-    if has_rows:
-        if not manifest_path.is_file():
-            raise UserError(f"{out} exists but has no {manifest_path.name}, so it cannot be resumed safely; "
-                            "delete it or choose another --out")
-        previous = artifacts.read_json(manifest_path).get("settings")
-        current = settings_key(config)
-        if previous != current:
-            difference = _first_difference(previous, current)
-            raise UserError(f"{out} was generated with different settings ({difference}); "
-                            "delete it or choose another --out")
+    if not manifest_path.is_file():
+        raise UserError(f"{out} exists but has no {manifest_path.name}, so it cannot be resumed safely; "
+                        "delete it or choose another --out")
+    manifest = artifacts.read_json(manifest_path)
+    previous = manifest.get("settings") if isinstance(manifest, dict) else None
+    current = settings_key(config)
+    if previous != current:
+        difference = _first_difference(previous, current)
+        raise UserError(f"{out} was generated with different settings ({difference}); "
+                        "delete it or choose another --out")
+
+
+def _resume(out: Path, config: SPAConfig) -> set[str]:
+    """Ids already in `out` (checked by `_check_resumable`)."""
+    has_rows = _has_rows(out)
     # Record the settings before any episode is written, so a killed run can be resumed.
     artifacts.write_manifest(out, {**artifacts.manifest("generate", to_dict(config)),
                                    "settings": settings_key(config), "summary": None})

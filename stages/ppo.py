@@ -65,11 +65,13 @@ from typing import Any
 import torch
 from torch import nn
 
+import envs
 from stages import artifacts
 from stages import engine as eng
 from stages import ppo_algos as algos
 from stages.config import SPAConfig, to_dict
 from stages.errors import UserError
+from stages.rollout import check_rollout
 
 STATE_DIR = "trainer_state"
 FINAL_DIR = "final"
@@ -90,6 +92,8 @@ RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch
 def check_config(config: SPAConfig) -> None:
     """Refuse settings PPO cannot run with, each with one line that names the numbers."""
     ppo, rollout = config.ppo, config.rollout
+    check_rollout(config)
+    envs.make(config.env.name, render_mode=config.env.render_mode, **config.env.options)  # name, options
     if rollout.backend not in ("hf", "vllm"):
         raise UserError(f"ppo needs a model backend: rollout.backend must be hf or vllm, got {rollout.backend!r}")
     if rollout.history_window is not None:
@@ -208,9 +212,10 @@ def build_models(config: SPAConfig) -> Models:
     """Load the checkpoint as actor, critic (a copy with a value head) and optional reference, and
     wrap actor and critic in training engines (the precision rules of `spa sft`: DeepSpeed keeps
     fp32 master weights of a bf16 model; plain torch trains fp32 weights under bf16 autocast)."""
-    from stages.models import load_model, pick_device, pick_dtype
+    from stages.models import load_model, pick_device, pick_dtype, resolve_model
 
     m, ppo = config.model, config.ppo
+    resolve_model(m.name)  # a bad --model fails here, before DeepSpeed starts
     dist = eng.setup_distributed(pick_device(m.device), use_deepspeed=ppo.zero_stage > 0)
     mixed = "bf16" if pick_dtype(m.dtype, dist.device) == torch.bfloat16 else None
     load_dtype = "float32" if (mixed is None or ppo.zero_stage == 0) else m.dtype
@@ -566,17 +571,23 @@ def save_checkpoint(out: Path, name: str, models: Models, state: dict[str, Any])
 
     target, tmp = out / name, out / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    models.actor.save_pretrained(tmp, safe_serialization=True)
-    models.tokenizer.save_pretrained(tmp)
-    state_dir = tmp / STATE_DIR
-    client = {**state, "rng": torch.get_rng_state()}
-    models.actor_engine.save_state(state_dir / "actor", client)
-    if models.critic_engine is not None:
-        models.critic_engine.save_state(state_dir / "critic", {})
-        head = models.critic_engine.module.value_head.state_dict()
-        save_file({k: v.detach().cpu().contiguous() for k, v in head.items()}, state_dir / "value_head.safetensors")
-    artifacts.write_json(state_dir / "state.json", state)
-    (state_dir / COMPLETE_MARK).write_text("")
+    try:
+        with artifacts.full_disk_as_oserror(tmp):
+            models.actor.save_pretrained(tmp, safe_serialization=True)
+            models.tokenizer.save_pretrained(tmp)
+            state_dir = tmp / STATE_DIR
+            client = {**state, "rng": torch.get_rng_state()}
+            models.actor_engine.save_state(state_dir / "actor", client)
+            if models.critic_engine is not None:
+                models.critic_engine.save_state(state_dir / "critic", {})
+                head = models.critic_engine.module.value_head.state_dict()
+                save_file({k: v.detach().cpu().contiguous() for k, v in head.items()},
+                          state_dir / "value_head.safetensors")
+            artifacts.write_json(state_dir / "state.json", state)
+            (state_dir / COMPLETE_MARK).write_text("")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk: give the space of the half-written copy back
+        raise
     old = out / f".{name}.old"
     if target.exists():
         target.rename(old)
@@ -612,16 +623,28 @@ def prepare_out(config: SPAConfig) -> Path | None:
     """Check ``ppo.out`` against ``ppo.resume``; returns the checkpoint to resume from, if any.
 
     A --resume of a run stopped before its first checkpoint starts afresh (there is nothing to
-    continue); a kill in the middle of a save leaves only hidden temp dirs, removed here.
+    continue); a kill in the middle of a save leaves only hidden temp dirs, removed here (a copy
+    that was complete but not yet renamed into place is renamed first).
     """
     out = Path(config.ppo.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; ppo writes a directory")
+    artifacts.check_writable(out)
     if out.exists() and any(out.iterdir()) and not config.ppo.resume:
         raise UserError(f"{out} already exists; pass --resume to continue that run, or choose another --out")
-    for leftover in out.glob(".*"):
-        if leftover.is_dir() and leftover.suffix in (".tmp", ".old"):
-            shutil.rmtree(leftover)
+    _finish_interrupted_renames(out)
+    artifacts.remove_leftovers(out)
     checkpoints = checkpoint_dirs(out)
     return checkpoints[-1][1] if checkpoints else None
+
+
+def _finish_interrupted_renames(out: Path) -> None:
+    """save_checkpoint replacing a checkpoint (final/ of a resumed run) renames the old copy to
+    .NAME.old, then .NAME.tmp to NAME; a kill between the two leaves NAME missing."""
+    for tmp in out.glob(".*.tmp"):
+        target = out / tmp.name[1:].removesuffix(".tmp")
+        if not target.exists() and (tmp / STATE_DIR / COMPLETE_MARK).is_file():
+            tmp.rename(target)
 
 
 def _forget_after(out: Path, step: int) -> None:

@@ -483,6 +483,8 @@ def check_rollout(config: SPAConfig) -> None:
     for key, value in positive.items():
         if value < 1:
             raise UserError(f"rollout.{key} must be at least 1, got {value}")
+    if rollout.seed < 0:
+        raise UserError(f"rollout.seed must be >= 0 (a game seed), got {rollout.seed}")
     if rollout.history_window is not None and rollout.history_window < 0:
         raise UserError(f"rollout.history_window must be null or >= 0, got {rollout.history_window}")
     if rollout.temperature < 0:

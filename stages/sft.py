@@ -42,9 +42,11 @@ from pathlib import Path
 from stages import engine as eng
 from stages.artifacts import (
     JsonlAppender,
+    check_writable,
     file_sha256,
     manifest,
     read_json,
+    remove_leftovers,
     val_path,
     write_json,
     write_jsonl,
@@ -141,9 +143,11 @@ def _prepare_out(out: Path, resume: bool) -> Path | None:
     """The saved state to resume from, or None for a fresh run. An existing run needs --resume."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; sft writes a directory")
+    check_writable(out)
     existing = [p.name for p in out.iterdir()] if out.is_dir() else []
     if existing and set(existing) != {DRY_RUN_FILE} and not resume:
         raise UserError(f"{out} already holds a run; add --resume to continue it, or pick another --out")
+    remove_leftovers(out)
     for name in (STATE_DIR, f"{STATE_DIR}.old"):  # .old: a save was cut between its two renames
         if (out / name / PROGRESS_FILE).is_file():
             return out / name
@@ -410,11 +414,16 @@ class _Trainer:
         if self.dist.main:
             shutil.rmtree(tmp, ignore_errors=True)
         eng.barrier(self.dist)
-        self.engine.save_state(tmp, self._client(progress))
-        eng.barrier(self.dist)
-        if self.dist.main:
-            write_json(tmp / PROGRESS_FILE, self._progress_record(progress))
-            _swap_dir(tmp, self.out / STATE_DIR)
+        try:
+            self.engine.save_state(tmp, self._client(progress))
+            eng.barrier(self.dist)
+            if self.dist.main:
+                write_json(tmp / PROGRESS_FILE, self._progress_record(progress))
+                _swap_dir(tmp, self.out / STATE_DIR)
+        except BaseException:
+            if self.dist.main:  # a full disk: give the space of the half-written state back
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         eng.barrier(self.dist)
 
     def _save_progress_only(self, progress: Progress) -> None:
