@@ -8,6 +8,7 @@ code 2. Stages are imported lazily so `spa --help` and `spa envs` stay fast.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import sys
@@ -16,9 +17,41 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+# The UsageError of the click that typer runs on (recent typers vendor their own copy and export
+# only BadParameter from it); every bad flag raises one.
+_UsageError = typer.BadParameter.__mro__[1]
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """Click reports a bad flag (an unknown option, `--groups abc`) in a framed box under the usage
+    line; spa reports it in one line, like its other user errors. Subcommands are parsed inside the
+    root's invoke, so the root covers them all."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _usage_errors_in_one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _usage_errors_in_one_line():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _usage_errors_in_one_line():
+    try:
+        yield
+    except _UsageError as err:
+        if type(err).__name__ == "NoArgsIsHelpError":
+            raise  # `spa` alone prints the help
+        where = f" (see `{err.ctx.command_path} --help`)" if err.ctx else ""
+        _fail(err.format_message() + where)
+
 
 app = typer.Typer(
     name="spa",
+    cls=_OneLineUsageErrors,
     help="SPA: world-model self-play finetuning for agentic RL (arXiv 2510.15047).",
     no_args_is_help=True,
     add_completion=False,
@@ -41,6 +74,18 @@ BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="hf |
 OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output path.")]
 
 
+#: OSErrors that a path or the machine's state causes, not a bug, and what to do about each.
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "free some space, then run the same command again",
+    errno.EDQUOT: "free some space, then run the same command again",
+    errno.EACCES: "fix its permissions or choose another path",
+    errno.EROFS: "choose a path on a writable filesystem",
+    errno.ENOTDIR: "a part of the path is a file; choose another path",
+    errno.EISDIR: "it is a directory; give a file path",
+    errno.ENAMETOOLONG: "choose a shorter path",
+}
+
+
 def user_errors(command: Callable) -> Callable:
     """Turn user-caused errors into one line on stderr and exit code 2 (no traceback)."""
 
@@ -54,11 +99,14 @@ def user_errors(command: Callable) -> Callable:
         except (UserError, EnvError) as err:
             _fail(str(err))
         except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+            if err.errno not in OS_ERROR_FIXES:
                 raise
-            _fail(f"{err.strerror}: {err.filename or ''}".rstrip(": "))
+            where = f": {err.filename}" if err.filename else ""
+            _fail(f"{err.strerror}{where}; {OS_ERROR_FIXES[err.errno]}")
         except KeyboardInterrupt:
-            err_console.print("interrupted; run the same command again to resume", highlight=False)
+            # sft and ppo continue an existing run only when told to
+            again = "again with --resume" if "resume" in kwargs and not kwargs["resume"] else "again"
+            err_console.print(f"interrupted; run the same command {again} to resume", highlight=False)
             raise typer.Exit(130) from None
 
     return wrapper
@@ -181,6 +229,8 @@ def eval_(
         return
     from stages import evaluate as stage
 
+    if plot is not None:
+        stage.check_plot(plot)  # before the eval, not after its minutes of work
     cfg = _load(config, set_, quiet, model__name=model, env__name=env, rollout__backend=backend,
                 eval__pass_k=pass_k, eval__seeds=seeds, eval__n=n, rollout__temperature=temperature,
                 rollout__prompt_mode=prompt_mode, env__render_mode=render_mode, eval__state_ppl=state_ppl,
@@ -261,6 +311,8 @@ def play(
     """Play a game in the terminal: the state with coordinates, the reward, done."""
     import envs as registry
 
+    if seed < 0:
+        _fail(f"--seed must be >= 0, got {seed}")
     game = registry.make(env, render_mode=render_mode)
     text, _ = game.reset(seed=seed)
     typer.echo(text)
