@@ -27,3 +27,20 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     tiny_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many bad-input cases and fuzz inputs the run tried (tests record them as properties,
+    which reach the controller under xdist too)."""
+    totals: dict[str, int] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            for name, value in getattr(report, "user_properties", ()):
+                if name == "bad_input_case":
+                    totals["bad-input cases"] = totals.get("bad-input cases", 0) + 1
+                elif name == "fuzz_inputs":
+                    totals["fuzz inputs"] = totals.get("fuzz inputs", 0) + value
+    if totals:
+        terminalreporter.write_line("tried: " + ", ".join(f"{count} {what}" for what, count in totals.items()))
