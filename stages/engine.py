@@ -2,13 +2,21 @@
 
 * `zero_stage` 1/2/3: `deepspeed.initialize` with a config built from `configs/deepspeed/zero{2,3}.json`
   (stage 1 uses the zero2 file) whose "auto" values are filled from the stage config. It runs on
-  CUDA (bf16, NCCL) and on the CPU through DeepSpeed's CPU accelerator (fp32, gloo). A single
+  CUDA (bf16, NCCL) and on the CPU through DeepSpeed's CPU accelerator (gloo). A single
   process needs no launcher (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT default to a
   one-process group on a free port); several GPUs come from `deepspeed --no_local_rank` or
   `torchrun`, which set those variables. `offload` moves the optimizer (and under ZeRO-3 the
   parameters) to the CPU; on a CPU-only run it has nothing to offload from and is ignored.
-* `zero_stage` 0: plain torch, one process, no DeepSpeed: fp32 weights with bf16 autocast on CUDA,
-  fused AdamW. It is the fallback where DeepSpeed cannot start and what most tests use.
+* `zero_stage` 0: plain torch, one process, no DeepSpeed: fp32 weights (under bf16 autocast when
+  the model dtype is bfloat16), fused AdamW. It is the fallback where DeepSpeed cannot start and
+  what most tests use.
+
+Precision (`master_dtype`): a bfloat16 run keeps fp32 weights and computes in bf16. On CUDA,
+DeepSpeed does that itself (bf16 module, fp32 copies in the optimizer); plain torch, and every
+engine on the CPU, trains fp32 weights under `torch.autocast(bf16)`. On the CPU the autocast route
+is the fast one: DeepSpeed's bf16 mode ran at half the speed of fp32 (SmolLM2-135M, 2 cores),
+while autocast doubled it on a CPU with native bf16 matmul (AVX512-BF16/AMX). float16 needs loss
+scaling, which only DeepSpeed on CUDA does.
 
 Both take the caller's gradient accumulation: `backward(loss, last)` for every micro-batch (the
 caller scales the loss; DeepSpeed's own 1/GAS and 1/world scaling are undone), then `step()` once.
@@ -183,7 +191,7 @@ def _optimizer(model, settings: OptimSettings, device: str, cpu_adam: bool = Fal
 
 
 class TorchEngine:
-    """Plain torch: the model, fused AdamW, a LambdaLR, clipping, bf16 autocast on CUDA."""
+    """Plain torch: the model, fused AdamW, a LambdaLR, clipping, optional bf16 autocast."""
 
     def __init__(self, model, settings: OptimSettings, device: str, autocast_dtype=None):
         import torch
@@ -197,11 +205,7 @@ class TorchEngine:
         self.autocast_dtype = autocast_dtype
 
     def __call__(self, **inputs):
-        import torch
-
-        if self.autocast_dtype is None:
-            return self.module(**inputs)
-        with torch.autocast(device_type="cuda", dtype=self.autocast_dtype):
+        with autocast(self.device, self.autocast_dtype):
             return self.module(**inputs)
 
     def backward(self, loss, last: bool = True) -> None:
@@ -244,7 +248,7 @@ class TorchEngine:
 class DeepSpeedEngine:
     """A `deepspeed.initialize` engine driven with caller-owned gradient accumulation."""
 
-    def __init__(self, model, settings: OptimSettings, dist: Dist, ds_config: dict):
+    def __init__(self, model, settings: OptimSettings, dist: Dist, ds_config: dict, autocast_dtype=None):
         import deepspeed
         import torch
 
@@ -256,13 +260,16 @@ class DeepSpeedEngine:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         self.module = self.engine.module
         self.world = dist.world
+        self.device = dist.device
+        self.autocast_dtype = autocast_dtype
         self.stage = ds_config["zero_optimization"]["stage"]
         # Every file DeepSpeed's load_checkpoint reads goes through its checkpoint engine's load(),
         # which calls torch.load(weights_only=False) in DeepSpeed 0.16-0.19; read them safely instead.
         self.engine.checkpoint_engine.load = _load_deepspeed_file
 
     def __call__(self, **inputs):
-        return self.engine(**inputs)
+        with autocast(self.device, self.autocast_dtype):
+            return self.engine(**inputs)
 
     def backward(self, loss, last: bool = True) -> None:
         # ZeRO averages gradients over ranks; the caller's loss is already normalised globally.
@@ -372,11 +379,31 @@ def _fill_auto(section: dict, values: dict[str, Any]) -> None:
 
 def build_engine(model, settings: OptimSettings, dist: Dist, zero_stage: int, offload: bool = False,
                  mixed: str | None = None, ds_config_path: str = ""):
-    """The training engine for `model` (already on its device)."""
+    """The training engine for `model` (already on its device, in `master_dtype`)."""
     if zero_stage == 0:
         return TorchEngine(model, settings, dist.device, autocast_dtype=_autocast_dtype(mixed))
+    if not dist.device.startswith("cuda"):  # fp32 weights under autocast (see the module docstring)
+        config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, None, ds_config_path)
+        return DeepSpeedEngine(model, settings, dist, config, autocast_dtype=_autocast_dtype(mixed))
     config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, mixed, ds_config_path)
     return DeepSpeedEngine(model, settings, dist, config)
+
+
+def master_dtype(mixed: str | None, zero_stage: int, device: str) -> str:
+    """The dtype to load a model in for training: DeepSpeed on CUDA takes the bf16 model and keeps
+    fp32 copies itself; every other engine trains fp32 weights (under autocast when mixed)."""
+    return "bfloat16" if mixed == "bf16" and zero_stage > 0 and device.startswith("cuda") else "float32"
+
+
+def autocast(device: str, dtype):
+    """`torch.autocast` to `dtype` on the device type of `device`; a no-op when dtype is None."""
+    import contextlib
+
+    import torch
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.split(":")[0], dtype=dtype)
 
 
 def _autocast_dtype(mixed: str | None):

@@ -210,15 +210,14 @@ class Models:
 
 def build_models(config: SPAConfig) -> Models:
     """Load the checkpoint as actor, critic (a copy with a value head) and optional reference, and
-    wrap actor and critic in training engines (the precision rules of `spa sft`: DeepSpeed keeps
-    fp32 master weights of a bf16 model; plain torch trains fp32 weights under bf16 autocast)."""
+    wrap actor and critic in training engines (precision as `stages.engine.master_dtype` says)."""
     from stages.models import load_model, pick_device, pick_dtype, resolve_model
 
     m, ppo = config.model, config.ppo
     resolve_model(m.name)  # a bad --model fails here, before DeepSpeed starts
     dist = eng.setup_distributed(pick_device(m.device), use_deepspeed=ppo.zero_stage > 0)
     mixed = "bf16" if pick_dtype(m.dtype, dist.device) == torch.bfloat16 else None
-    load_dtype = "float32" if (mixed is None or ppo.zero_stage == 0) else m.dtype
+    load_dtype = eng.master_dtype(mixed, ppo.zero_stage, dist.device)
     torch.manual_seed(ppo.seed)
     actor, tokenizer = load_model(m.name, dist.device, load_dtype, m.attn_implementation, m.trust_remote_code)
     _disable_dropout(actor)
@@ -241,10 +240,9 @@ def build_models(config: SPAConfig) -> Models:
 
 
 def _autocast(engine: Any):
-    """The engine's autocast (plain torch on CUDA trains fp32 weights under bf16), for passes made
-    outside it, so that the reference scores tokens in the same precision as the actor."""
-    dtype = getattr(engine, "autocast_dtype", None)
-    return torch.autocast(device_type="cuda", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    """The engine's autocast (fp32 weights computing in bf16, see `stages.engine`), for passes made
+    outside it: the reference's scores and the rollouts, in the same precision as the actor's."""
+    return eng.autocast(engine.device, engine.autocast_dtype)
 
 
 # ---- from episodes to PPO samples ----------------------------------------------------------------
@@ -687,7 +685,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
 
     with artifacts.JsonlAppender(out / METRICS_FILE) as log, _Progress(config, ppo.steps, step) as advance:
         if step == 0 and ppo.val_every:
-            log.append({"step": 0, **validate(config, backend, tokenizer, 0)})
+            with _autocast(models.actor_engine):
+                log.append({"step": 0, **validate(config, backend, tokenizer, 0)})
         while step < ppo.steps:
             step += 1
             timer = _Timer()
@@ -695,7 +694,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             actor.eval()
             seeds = train_seeds(config, seed_counter)
             seed_counter += config.rollout.groups
-            with timer("rollout"):
+            with timer("rollout"), _autocast(models.actor_engine):
                 _reset_caches(backend)
                 episodes = play(rollout_config(config, step), backend, tokenizer, seeds, config.rollout.group_size)
             # 2. keep the groups whose rewards differ the most
@@ -728,7 +727,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
             if ppo.val_every and (step % ppo.val_every == 0 or step == ppo.steps):
                 actor.eval()
-                with timer("validation"):
+                with timer("validation"), _autocast(models.actor_engine):
                     row |= validate(config, backend, tokenizer, step)
                 row["seconds_validation"] = timer.seconds["seconds_validation"]
             log.append(_finite_or_none(row))

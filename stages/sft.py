@@ -261,10 +261,10 @@ class _Trainer:
         cfg, model_cfg = self.cfg, self.config.model
         dtype = pick_dtype(model_cfg.dtype, self.dist.device)
         mixed = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
-        if mixed == "fp16" and cfg.zero_stage == 0:
-            raise UserError("float16 training needs loss scaling: use bfloat16, or zero_stage 1-3")
-        # DeepSpeed keeps fp32 master weights itself; plain torch trains fp32 weights under autocast
-        load_dtype = "float32" if (mixed is None or cfg.zero_stage == 0) else model_cfg.dtype
+        if mixed == "fp16" and (cfg.zero_stage == 0 or not self.dist.device.startswith("cuda")):
+            raise UserError("float16 training needs loss scaling, which only DeepSpeed on CUDA does: "
+                            "use bfloat16, or zero_stage 1-3 on a GPU")
+        load_dtype = eng.master_dtype(mixed, cfg.zero_stage, self.dist.device)
         torch.manual_seed(cfg.seed)
         model, _ = load_model(model_cfg.name, device=self.dist.device, dtype=load_dtype, attn=attn,
                               trust_remote_code=model_cfg.trust_remote_code)

@@ -243,6 +243,21 @@ def test_other_estimators_and_loss_mask_all_run(tiny_model_dir, tmp_path, advant
     assert (out / "final" / "trainer_state" / "critic").exists() == (advantage != "grpo")
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_bfloat16_on_the_cpu_samples_and_trains_in_bf16_over_fp32_weights(tiny_model_dir, tmp_path, zero_stage):
+    config = tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", f"ppo.zero_stage={zero_stage}",
+                         "model.dtype=bfloat16")
+    models = ppo.build_models(config)
+    assert next(models.actor.parameters()).dtype == torch.float32
+    probe = torch.tensor([[1, 2, 3]])
+    assert models.actor(input_ids=probe).logits.dtype == torch.float32
+    with ppo._autocast(models.actor_engine):  # what the rollouts and the reference run under
+        assert models.actor(input_ids=probe).logits.dtype == torch.bfloat16
+    ppo.run(config)
+    row = read_metrics(tmp_path / "run")[0]
+    assert 0 < row["logp_diff"] < 2e-2  # sampler and trainer both in bf16, in different batch shapes
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_vllm_rollouts_follow_the_trained_weights(tiny_model_dir, tmp_path):

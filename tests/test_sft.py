@@ -348,6 +348,28 @@ def test_deepspeed_zero2_matches_plain_torch_and_resumes_exactly(data, tiny_dir,
     assert losses(out) == losses(straight)
 
 
+def test_bfloat16_on_the_cpu_trains_fp32_weights_under_autocast(data, tiny_dir, tmp_path):
+    """model.dtype=bfloat16 on the CPU computes in bf16 over fp32 weights, with plain torch and with
+    DeepSpeed alike (DeepSpeed's own bf16 mode is used on CUDA only; see stages/engine.py)."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for stage in (0, 2):
+        out = tmp_path / f"bf16-zero{stage}"
+        config = make_config(data, tiny_dir, out, zero_stage=stage)
+        config.model.dtype = "bfloat16"
+        sft.run(config)
+        runs[stage] = losses(out)
+        weights = load_file(out / "final" / "model.safetensors")
+        assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
+    assert runs[2] == pytest.approx(runs[0], rel=1e-5)
+    fp32 = tmp_path / "fp32"
+    sft.run(make_config(data, tiny_dir, fp32))
+    # the same weights and data: only bf16 rounding tells the runs apart (fp32 runs repeat exactly)
+    assert losses(fp32)[0] != runs[0][0]
+    assert losses(fp32)[0] == pytest.approx(runs[0][0], rel=1e-3)
+
+
 def test_lora_run_saves_a_merged_plain_checkpoint(data, tiny_dir, tmp_path):
     pytest.importorskip("peft")
     from safetensors.torch import load_file
