@@ -121,7 +121,10 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
     options = config.clean
     dropped_trajectories: Counter = Counter({"malformed": 0, "not_success": 0})
     dropped_rows: Counter = Counter({"format": 0, "duplicate": 0})
-    coordinates = _CoordinateRandomizer(trajectories, options.seed) if options.random_coordinates else None
+    coordinates = None
+    if options.random_coordinates:  # coordinate ranges from the trajectories that can be cleaned only
+        cleanable = [t for t in trajectories if trajectory_problem(t) is None]
+        coordinates = _CoordinateRandomizer(cleanable, options.seed)
     rows: list[dict] = []
     for trajectory in trajectories:
         problem = trajectory_problem(trajectory)
@@ -154,6 +157,8 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
 
 def trajectory_problem(trajectory: dict) -> str | None:
     """Why a trajectory line cannot be cleaned (None if it can): one assistant message per turn."""
+    if not isinstance(trajectory.get("id"), str):
+        return "id must be a string"
     messages, turns = trajectory.get("messages"), trajectory.get("turns")
     if not isinstance(messages, list) or not isinstance(turns, list):
         return "messages and turns must be lists"
