@@ -209,8 +209,13 @@ class PipelineConfig:
     #: Who plays the self-play data: "model" (the model itself through rollout.backend, as the
     #: paper) or "random" (random actions, the paper's RandSFT; the bootstrap for weak models).
     data_policy: Literal["model", "random"] = "model"
+    #: Puzzles of the self-play data, each played rollout.group_size times (SPA: 5 batches of 32
+    #: puzzles x 8 = 1280 trajectories); PPO draws its own rollout.groups per step.
+    data_groups: int = 160
     #: Also evaluate the base model, as a baseline for the SFT and PPO models.
     baselines: bool = True
+    #: Also train PPO from the base model with the same settings (the paper's "Vanilla RL").
+    vanilla_ppo: bool = False
 
 
 @dataclass

@@ -424,6 +424,8 @@ def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[
             "prediction_exact": wm.get("prediction", {}).get("exact_match"),
             "observation_cells": wm.get("observation", {}).get("cell_accuracy"),
             "prediction_cells": wm.get("prediction", {}).get("cell_accuracy"),
+            "state_ppl_raw": figures.get("state_perplexity", {}).get("raw", {}).get("ppl"),
+            "state_ppl_coords": figures.get("state_perplexity", {}).get("coords", {}).get("ppl"),
         })
     return rows
 

@@ -2,13 +2,17 @@
 
 Stages, in order, each writing under `pipeline.dir`:
 
-    generate   trajectories.jsonl     self-play data (`pipeline.data_policy`: the model, or random
-                                      actions = the paper's RandSFT bootstrap for weak models)
-    clean      sft.jsonl (+ .val)     ground-truth states
-    sft        sft/                   world-model fine-tuning from `model.name`
-    ppo        ppo/                   PPO from sft/final
-    eval       eval/{base,sft,ppo}.json  the same eval settings for the three models
-               table.md               the comparison, like the paper's Table 2
+    generate     trajectories.jsonl   self-play data: `pipeline.data_groups` puzzles x
+                                      `rollout.group_size` episodes (`pipeline.data_policy`: the
+                                      model, or random actions = the paper's RandSFT bootstrap)
+    clean        sft.jsonl (+ .val)   ground-truth states
+    sft          sft/                 world-model fine-tuning from `model.name`
+    ppo          ppo/                 PPO from sft/final: SPA
+    ppo_vanilla  ppo_vanilla/         PPO from `model.name` (`pipeline.vanilla_ppo`: the paper's
+                                      "Vanilla RL" baseline, same PPO settings)
+    eval_*       eval/NAME.json       the same eval settings for every model: base (with
+                                      `pipeline.baselines`), vanilla_ppo, sft, spa
+                 table.md             the comparison, like the paper's Table 2
 
 A stage is skipped when it completed before with the same fingerprint: the config sections it
 reads plus the hashes of its inputs (`pipeline_state.json` records them). A stage that started
@@ -45,6 +49,7 @@ class Layout:
         self.sft_data = self.root / "sft.jsonl"
         self.sft = self.root / "sft"
         self.ppo = self.root / "ppo"
+        self.ppo_vanilla = self.root / "ppo_vanilla"
         self.eval = self.root / "eval"
         self.table = self.root / "table.md"
 
@@ -58,6 +63,7 @@ def stage_configs(config: SPAConfig) -> dict[str, SPAConfig]:
     configs: dict[str, SPAConfig] = {}
 
     generate = copy.deepcopy(config)
+    generate.rollout.groups = config.pipeline.data_groups
     if config.pipeline.data_policy == "random":
         generate.rollout.backend = "random"
     generate.generate.out = str(run.trajectories)
@@ -74,16 +80,30 @@ def stage_configs(config: SPAConfig) -> dict[str, SPAConfig]:
     ppo = copy.deepcopy(config)
     ppo.model.name, ppo.ppo.out = str(run.sft / "final"), str(run.ppo)
     configs["ppo"] = ppo
+    if config.pipeline.vanilla_ppo:
+        vanilla = copy.deepcopy(config)
+        vanilla.ppo.out = str(run.ppo_vanilla)
+        configs["ppo_vanilla"] = vanilla
 
-    models = {"sft": run.sft / "final", "ppo": run.ppo / "final"}
-    if config.pipeline.baselines:
-        models = {"base": config.model.name, **models}
-    for name, model in models.items():
+    for name, model in evaluated_models(config).items():
         evaluation = copy.deepcopy(config)
         evaluation.model.name, evaluation.eval.out = str(model), str(run.report(name))
         configs[f"eval_{name}"] = evaluation
     return configs
 
+
+def evaluated_models(config: SPAConfig) -> dict[str, str]:
+    """Eval name -> model, in the order of the paper's tables."""
+    run = Layout(config.pipeline.dir)
+    models = {"base": config.model.name} if config.pipeline.baselines else {}
+    if config.pipeline.vanilla_ppo:
+        models["vanilla_ppo"] = str(run.ppo_vanilla / "final")
+    return {**models, "sft": str(run.sft / "final"), "spa": str(run.ppo / "final")}
+
+
+#: What the table calls each evaluated model.
+LABELS = {"base": "base model", "vanilla_ppo": "+ vanilla PPO", "sft": "+ SPA world-model SFT",
+          "spa": "+ SPA (SFT, then PPO)"}
 
 #: The config sections each stage reads (its fingerprint); eval stages read `EVAL_SECTIONS`.
 SECTIONS = {
@@ -91,6 +111,7 @@ SECTIONS = {
     "clean": ("clean",),
     "sft": ("model", "sft"),
     "ppo": ("env", "model", "rollout", "ppo"),
+    "ppo_vanilla": ("env", "model", "rollout", "ppo"),
 }
 EVAL_SECTIONS = ("env", "model", "rollout", "eval")
 
@@ -101,7 +122,7 @@ def stage_inputs(name: str, config: SPAConfig) -> list[Path]:
         return [Path(config.clean.data)]
     if name == "sft":
         return [Path(config.sft.data), artifacts.val_path(config.sft.data)]
-    if name == "ppo" or name.startswith("eval_"):
+    if name.startswith(("ppo", "eval_")):
         model = Path(config.model.name)
         return sorted(model.glob("*.safetensors")) if model.is_dir() else []
     return []
@@ -126,7 +147,7 @@ def stage_outputs(name: str, config: SPAConfig) -> list[Path]:
         return [out, artifacts.val_path(out), out.with_name(out.name + ".manifest.json")]
     if name == "sft":
         return [Path(config.sft.out)]
-    if name == "ppo":
+    if name.startswith("ppo"):
         return [Path(config.ppo.out)]
     out = Path(config.eval.out)
     return [out, *out.parent.glob(f"{out.stem}.*")]
@@ -178,7 +199,7 @@ def _runner(name: str) -> Callable[[SPAConfig, bool], Any]:
         return report
 
     runners = {"generate": lambda cfg, _: generate.run(cfg), "clean": lambda cfg, _: clean.run(cfg),
-               "sft": run_sft, "ppo": run_ppo}
+               "sft": run_sft, "ppo": run_ppo, "ppo_vanilla": run_ppo}
     return runners.get(name, run_eval)
 
 
@@ -191,18 +212,22 @@ def _remove(paths: list[Path]) -> None:
 
 
 def _write_table(config: SPAConfig, run_dir: Layout) -> str:
-    """A Markdown table of the eval reports in percent, like the paper's Table 2."""
+    """A Markdown table of the eval reports, like the paper's Table 2: percentages (x10^-2) and,
+    when measured (`eval.state_ppl`), the state perplexity with coordinates."""
     from stages import evaluate
 
-    names = [name for name in ("base", "sft", "ppo") if run_dir.report(name).is_file()]
+    names = [name for name in evaluated_models(config) if run_dir.report(name).is_file()]
     rows = evaluate.compare_rows([run_dir.report(name) for name in names]) if names else []
     k = rows[0]["k"] if rows else config.eval.pass_k
-    lines = [f"| model | Pass@1 | Pass@{k} | observation exact | prediction exact | prediction cells |",
-             "|---|---|---|---|---|---|"]
+    with_ppl = any(row["state_ppl_coords"] is not None for row in rows)
+    header = f"| {config.env.name} | Pass@1 | Pass@{k} | observation exact | prediction exact | prediction cells |"
+    lines = [header + (" state PPL |" if with_ppl else ""), "|---" * (6 + with_ppl) + "|"]
     for name, row in zip(names, rows):
-        figures = [row[key] for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
-                                        "prediction_cells")]
-        lines.append(f"| {name} | " + " | ".join(_percent(v) for v in figures) + " |")
+        figures = [_percent(row[key]) for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
+                                                  "prediction_cells")]
+        if with_ppl:
+            figures.append("n/a" if row["state_ppl_coords"] is None else f"{row['state_ppl_coords']:.2f}")
+        lines.append(f"| {LABELS[name]} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"
     with artifacts.atomic_write(run_dir.table) as handle:
         handle.write(table)
