@@ -257,9 +257,13 @@ def test_ppo_interrupted_then_rerun_ends_with_the_uninterrupted_weights(sig, tin
     assert_stopped_by(interrupted(args, tmp_path, lambda: complete_checkpoint(out, "step-1"), sig), sig)
     assert not (out / "final").exists(), "the run was not cut in the middle"
     assert_checkpoints_load(out)
+    saved = max(int(path.name.removeprefix("step-")) for path in out.glob("step-*") if complete_checkpoint(out, path.name))
+    rows_before = metric_rows(out)
     completed(spa(*args, cwd=tmp_path))
     rows, reference_rows = metric_rows(out), metric_rows(ppo_reference)
     assert sorted(rows) == [1, 2, 3]
+    # Steps up to the saved checkpoint were not run again: their rows are the first run's, timing included.
+    assert all(rows[s] == rows_before[s] for s in range(1, saved + 1))
     timing = [key for key in reference_rows[1] if key.startswith("seconds") or key.endswith("per_s")]
     for step in rows:
         assert {k: v for k, v in rows[step].items() if k not in timing} == {
