@@ -66,14 +66,17 @@ class Dist:
         return self.rank == 0
 
 
-def setup_distributed(device: str, use_deepspeed: bool) -> Dist:
+def setup_distributed(device: str, use_deepspeed: bool, low_memory: bool = False) -> Dist:
     """The process group (DeepSpeed only) and this process's device.
 
     Without a launcher the environment describes a one-process group on a free local port.
+    `low_memory` (the runs with gradient checkpointing) also makes a CPU process hand freed
+    memory back to the OS at once (`release_freed_memory_to_os`), which costs speed.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "cpu":
-        release_freed_memory_to_os()
+        if low_memory:
+            release_freed_memory_to_os()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers imports deepspeed too; no CUDA probe warning
     if not use_deepspeed:
         if world > 1:
@@ -101,8 +104,10 @@ def release_freed_memory_to_os() -> None:
     """Pin glibc's mmap threshold (at its 128 KiB default) so every large tensor gets its own
     mapping and goes back to the OS when freed. glibc otherwise raises the threshold each time a
     mapped block is freed, after which activations land in the heap and their freed pages stay
-    resident: measured on SmolLM2-135M at 2048 tokens, 3.7 GB peak RSS instead of 2.7 GB. A no-op
-    where glibc is absent (macOS, musl)."""
+    resident. Measured on SmolLM2-135M, full fine-tune at 2048 tokens with gradient checkpointing,
+    ZeRO-2, 2 CPU cores: 3.6 GB peak RSS instead of 4.4-4.6 GB, but every large tensor then costs
+    fresh page faults: 94 instead of 118 tokens/s in fp32, 151 instead of 213 under bf16 autocast.
+    A no-op where glibc is absent (macOS, musl)."""
     import ctypes
     import ctypes.util
 

@@ -215,7 +215,8 @@ def build_models(config: SPAConfig) -> Models:
 
     m, ppo = config.model, config.ppo
     resolve_model(m.name)  # a bad --model fails here, before DeepSpeed starts
-    dist = eng.setup_distributed(pick_device(m.device), use_deepspeed=ppo.zero_stage > 0)
+    dist = eng.setup_distributed(pick_device(m.device), use_deepspeed=ppo.zero_stage > 0,
+                                 low_memory=ppo.gradient_checkpointing)
     mixed = "bf16" if pick_dtype(m.dtype, dist.device) == torch.bfloat16 else None
     load_dtype = eng.master_dtype(mixed, ppo.zero_stage, dist.device)
     torch.manual_seed(ppo.seed)

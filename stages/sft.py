@@ -238,7 +238,8 @@ class _Trainer:
         from stages.models import pick_attention, pick_device
 
         device = pick_device(self.config.model.device)
-        self.dist = eng.setup_distributed(device, use_deepspeed=self.cfg.zero_stage > 0)
+        self.dist = eng.setup_distributed(device, use_deepspeed=self.cfg.zero_stage > 0,
+                                          low_memory=self.cfg.gradient_checkpointing)
         self.quiet = self.quiet or not self.dist.main
         attn = pick_attention(self.config.model.attn_implementation, self.dist.device)
         self.pack = self.cfg.packing if self.cfg.packing is not None else attn == "flash_attention_2"
