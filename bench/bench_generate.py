@@ -1,0 +1,150 @@
+"""Rollout throughput: spa's batched HF engine against a naive `model.generate` loop, in one run.
+
+Both play the same episodes (the same seeds, env, world-model prompt, turns, token limit and
+sampling settings) through the same agent loop (`stages.rollout.play`); only the generation
+backend differs:
+
+* ``engine``: `stages.backends.hf.HFBackend`, what `spa generate` and `spa eval` use: every live
+  episode in one batch, the KV cache kept across an episode's turns and across the prompt prefix
+  the episodes share;
+* ``naive``: one request at a time through plain `model.generate` (sampling, the same stop string
+  and end-of-turn tokens), re-reading the whole conversation every turn, which is what a
+  straightforward script does.
+
+The model is the bundled SmolLM2-135M-Instruct in float32 for both (``--dtype bfloat16`` adds an
+``engine_bf16`` row: the same engine on a bf16 copy, which is much faster on CPUs with native bf16
+matmul). Each variant runs in its own interpreter, so its peak RSS is its own. Samples differ
+between the variants (different random streams), so tokens generated differ somewhat; the rates
+are what compare. Prints one JSON object; the target is engine >= 3x naive tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+class NaiveGenerateBackend:
+    """One `model.generate` call per request: no batching, no cache kept between calls."""
+
+    name = "naive"
+
+    def __init__(self, model, tokenizer):
+        from stages.backends.hf import _end_token_ids
+
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_ids = sorted(_end_token_ids(model, tokenizer))
+
+    def generate(self, requests, params):
+        import torch
+
+        from stages.backends.base import Completion
+
+        completions = []
+        for request in requests:
+            prompt = torch.tensor([request.prompt_ids])
+            with torch.inference_mode():
+                out = self.model.generate(
+                    prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
+                    temperature=params.temperature, top_p=params.top_p, top_k=0,
+                    max_new_tokens=params.max_new_tokens, stop_strings=list(params.stop),
+                    tokenizer=self.tokenizer, eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
+            tokens = out[0, prompt.shape[1]:].tolist()
+            finish = "eos" if tokens and tokens[-1] in self.eos_ids else "stop"
+            completions.append(Completion(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
+                                          None, "length" if len(tokens) == params.max_new_tokens else finish))
+        return completions
+
+    def release(self, keys):
+        pass
+
+
+def child(variant: str, args: argparse.Namespace) -> dict:
+    """Play the episodes with one backend; return its counts and timings."""
+    import torch
+
+    from stages.backends.hf import HFBackend
+    from stages.config import load_config
+    from stages.models import load_model
+    from stages.rollout import play
+
+    config = load_config(None, [
+        f"env.name={args.env}", f"rollout.max_turns={args.max_turns}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={args.groups * args.group_size}",
+        "quiet=true"])
+    dtype = "bfloat16" if variant == "engine_bf16" else "float32"
+    model, tokenizer = load_model(args.model, "cpu" if not torch.cuda.is_available() else "auto", dtype)
+    torch.manual_seed(0)
+    backend = (NaiveGenerateBackend(model, tokenizer) if variant == "naive"
+               else HFBackend(model, tokenizer, batch_size=config.rollout.batch_size))
+    warmup = load_config(None, [f"env.name={args.env}", "rollout.max_turns=1", "rollout.max_new_tokens=4"])
+    play(warmup, backend, tokenizer, [0], 1)  # one-off costs (kernel selection, vocabulary scan)
+    if isinstance(backend, HFBackend):
+        backend.reset()  # nothing cached from the warm-up
+    seeds = range(config.rollout.seed, config.rollout.seed + args.groups)
+    start = time.perf_counter()
+    episodes = play(config, backend, tokenizer, seeds, args.group_size)
+    seconds = time.perf_counter() - start
+    generated = sum(sum(e.response_mask) for e in episodes)  # sampled tokens
+    result = {"seconds": round(seconds, 2), "episodes": len(episodes), "turns": sum(len(e.turns) for e in episodes),
+              "generated_tokens": generated, "tokens_per_s": round(generated / seconds, 2),
+              "episodes_per_min": round(60 * len(episodes) / seconds, 2)}
+    if isinstance(backend, HFBackend):
+        stats = backend.stats
+        result["prompt_tokens_reused"] = round(stats["reused_tokens"] / max(1, stats["prompt_tokens"]), 3)
+    return result
+
+
+def run_child(variant: str, argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", variant, *argv], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{variant} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--env", default="sokoban")
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=2)
+    parser.add_argument("--max-turns", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="bfloat16 also measures the engine on a bf16 copy of the model")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = child(args.child, args)
+        result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)
+        print(json.dumps(result))
+        return
+
+    argv = [f"--model={args.model}", f"--env={args.env}", f"--groups={args.groups}",
+            f"--group-size={args.group_size}", f"--max-turns={args.max_turns}",
+            f"--max-new-tokens={args.max_new_tokens}"]
+    variants = ["engine", "naive"] + (["engine_bf16"] if args.dtype == "bfloat16" else [])
+    runs = {variant: run_child(variant, argv) for variant in variants}
+    engine, naive = runs["engine"], runs["naive"]
+    result = {
+        "model": args.model, "env": args.env, "episodes": engine["episodes"], "max_turns": args.max_turns,
+        "max_new_tokens": args.max_new_tokens, **runs,
+        "speedup_tokens_per_s": round(engine["tokens_per_s"] / naive["tokens_per_s"], 2),
+        "speedup_episodes_per_min": round(engine["episodes_per_min"] / naive["episodes_per_min"], 2),
+        "target_speedup": 3.0,
+    }
+    if "engine_bf16" in runs:
+        result["speedup_bf16_engine_tokens_per_s"] = round(runs["engine_bf16"]["tokens_per_s"] / naive["tokens_per_s"], 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
