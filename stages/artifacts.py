@@ -37,6 +37,7 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[TextIO]:
     ensure_parent(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would make artifacts private
         with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as handle:
             yield handle
             handle.flush()
@@ -50,6 +51,21 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[TextIO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def temp_dir_beside(path: Path) -> Path:
+    """An empty hidden directory beside `path` (the same filesystem, so it can be renamed into
+    place), with the permissions a plain mkdir gives rather than mkdtemp's 0700."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp"))
+    tmp.chmod(0o777 & ~_umask())
+    return tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _naming(err: OSError, path: Path) -> OSError:
@@ -220,7 +236,7 @@ class JsonlAppender:
     def close(self) -> None:
         os.close(self._fd)
 
-    def __enter__(self) -> JsonlAppender:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -37,13 +37,12 @@ import math
 import os
 import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.artifacts import full_disk_as_oserror
+from stages.artifacts import full_disk_as_oserror, temp_dir_beside
 from stages.errors import UserError
 
 DEEPSPEED_DIR = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
@@ -433,8 +432,7 @@ def write_pretrained(model, tokenizer, path: Path, state_dict: dict | None = Non
     if _is_peft(model):
         base = model.get_base_model()
         state_dict, model = merged_lora_state_dict(model), base
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp"))
+    tmp = temp_dir_beside(path)
     try:
         with full_disk_as_oserror(tmp):
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
@@ -473,7 +471,7 @@ def merged_lora_state_dict(peft_model) -> dict:
 
 def link_or_copy_tree(src: Path, dst: Path) -> None:
     """`dst` as a copy of the checkpoint `src`, hard-linking files where the filesystem allows."""
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}-", suffix=".tmp"))
+    tmp = temp_dir_beside(dst)
     try:
         for item in src.iterdir():
             if not item.is_file():

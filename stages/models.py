@@ -20,10 +20,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from stages.artifacts import temp_dir_beside
 from stages.errors import UserError
 
 
@@ -93,8 +93,7 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
         del config.quantization_config
     model = type(gguf_model)(config)
     model.load_state_dict(gguf_model.state_dict())
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    tmp = temp_dir_beside(target)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

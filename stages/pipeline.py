@@ -155,7 +155,7 @@ def stage_outputs(name: str, config: SPAConfig) -> list[Path]:
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Run (or continue) every stage; return the comparison rows and what was skipped."""
-    console = Console(quiet=config.quiet)
+    console = Console()  # quiet means no progress bars: what ran and the table are always shown
     run_dir = Layout(config.pipeline.dir)
     run_dir.root.mkdir(parents=True, exist_ok=True)
     state_path = run_dir.root / STATE_FILE
