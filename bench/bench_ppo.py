@@ -8,7 +8,8 @@ mini-batch, GAE with the critic) runs for `--steps` steps; the first step pays o
 ``update_tokens_per_s`` counts the kept episodes' tokens once per PPO epoch, over the whole update
 phase: a forward and backward pass of the actor AND of the critic, plus both optimizer steps. It
 compares with `spa sft`'s tokens/s (one forward and backward of one model) after dividing by two.
-Prints one JSON object.
+Both precisions are measured by default: float32, and bfloat16 (fp32 weights under bf16
+autocast, rollouts included). Prints one JSON object.
 """
 
 import argparse
@@ -24,19 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PHASES = ("rollout", "old_logprobs", "values", "update")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--env", default="sokoban")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--max-turns", type=int, default=2)
-    args = parser.parse_args()
-
-    import torch
-
+def measure(args: argparse.Namespace, dtype: str) -> dict:
+    """Run `spa ppo` for `args.steps` steps in `dtype`; the medians over all steps but the first."""
     from stages import ppo
     from stages.config import load_config
 
@@ -44,8 +34,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ppo"
         config = load_config(None, [
-            f"model.name={args.model}", f"env.name={args.env}", f"ppo.out={out}", "quiet=true",
-            f"rollout.groups={args.groups}", f"rollout.group_size={args.group_size}",
+            f"model.name={args.model}", f"model.dtype={dtype}", f"env.name={args.env}", f"ppo.out={out}",
+            "quiet=true", f"rollout.groups={args.groups}", f"rollout.group_size={args.group_size}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_turns={args.max_turns}",
             f"ppo.steps={args.steps}", "ppo.filter_ratio=1.0", f"ppo.mini_batch={episodes}",
             "ppo.val_every=0", f"ppo.save_every={args.steps + 1}",
@@ -55,10 +45,7 @@ def main() -> None:
         wall = time.perf_counter() - start
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = rows[1:] or rows
-    result = {
-        "model": args.model, "env": args.env, "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "steps": args.steps,
-        "episodes_per_step": episodes, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+    return {
         "steps_measured": len(measured),
         "seconds_per_step": round(statistics.median(sum(r[f"seconds_{p}"] for p in PHASES) for r in measured), 2),
         **{f"seconds_{p}": round(statistics.median(r[f"seconds_{p}"] for r in measured), 2) for p in PHASES},
@@ -68,6 +55,31 @@ def main() -> None:
         "logp_diff": max(r["logp_diff"] for r in rows),
         "wall_s_total": round(wall, 1),
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--env", default="sokoban")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-turns", type=int, default=2)
+    parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"),
+                        help="model.dtype to measure (repeatable; default both; bfloat16 trains fp32 weights "
+                             "under bf16 autocast)")
+    args = parser.parse_args()
+
+    import torch
+
+    result = {
+        "model": args.model, "env": args.env, "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "steps": args.steps, "episodes_per_step": args.groups * args.group_size, "max_turns": args.max_turns,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    for dtype in args.dtype or ["float32", "bfloat16"]:
+        result[dtype] = measure(args, dtype)
     print(json.dumps(result))
 
 

@@ -1,19 +1,22 @@
 """Training throughput of `spa sft` against TRL's `SFTTrainer`, on one machine, in one run.
 
-Same model (the bundled SmolLM2-135M-Instruct, full fine-tune, fp32, SDPA), same data (multi-turn
+Same model (the bundled SmolLM2-135M-Instruct, full fine-tune, SDPA), same data (multi-turn
 Sokoban rows made by `spa generate --backend random` + `spa clean`, ~1,100-1,800 tokens each; a
 built-in generator of the same layout if those stages fail), same objective (loss on the assistant
 turns only; TRL gets the bundled ChatML template with `{% generation %}` tags, which renders the
 same text), same optimizer settings and rows per optimizer step. Every trainer runs in its own subprocess; the first optimizer step is warm-up and is not
 timed. Prints one JSON object:
 
-* tokens/s of `spa sft` with its defaults (DeepSpeed ZeRO-2 on the CPU), and with plain torch;
-  of TRL as it sets itself up (`trl_defaults`: the step's rows in one batch padded to the longest,
-  gradient checkpointing on, TRL's default) and tuned like spa (`trl_tuned`: one row a forward, no
-  padding, no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
-* the ratios (target: spa >= 1.3x TRL);
-* MFU = 6 x parameters x tokens/s / the fp32 matmul FLOP/s measured here (best of a 2048^3
-  matmul, measured before and after the runs, as other work on the machine moves it);
+* tokens/s of `spa sft` with its defaults (fp32, DeepSpeed ZeRO-2 on the CPU), and with plain
+  torch; of TRL as it sets itself up (`trl_defaults`: the step's rows in one batch padded to the
+  longest, gradient checkpointing on, TRL's default) and tuned like spa (`trl_tuned`: one row a
+  forward, no padding, no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
+* the same in bf16 (`spa_bf16`: `model.dtype=bfloat16`, fp32 weights under bf16 autocast;
+  `trl_tuned_bf16`: TRL's `bf16=True`, the same autocast), which is much faster on CPUs with
+  native bf16 matmul;
+* the ratios (target: spa >= 1.3x TRL), each against TRL in the same precision;
+* MFU = 6 x parameters x tokens/s / the matmul FLOP/s measured here in the run's precision (best
+  of a 2048^3 matmul, measured before and after the runs, as other work on the machine moves it);
 * the peak RSS of a full fine-tune at 2048 tokens (rows left-truncated to 2048, two optimizer
   steps so the AdamW state exists), ZeRO-2 with gradient checkpointing (target <= 4 GB), measured
   with `resource.getrusage` in a subprocess; and the peak RSS of each throughput run.
@@ -106,11 +109,11 @@ def synthetic_data(path: Path, rows: int) -> Path:
 # ---- measurements (each in a child process) ------------------------------------------------------
 
 
-def matmul_peak(size: int = 2048, reps: int = 6) -> float:
-    """Best fp32 matmul rate, FLOP/s, over `reps` timed products."""
+def matmul_peak(dtype: str = "float32", size: int = 2048, reps: int = 6) -> float:
+    """Best matmul rate in `dtype`, FLOP/s, over `reps` timed products."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = (torch.randn(size, size, dtype=getattr(torch, dtype)) for _ in range(2))
     a @ b
     best = float("inf")
     for _ in range(reps):
@@ -121,13 +124,13 @@ def matmul_peak(size: int = 2048, reps: int = 6) -> float:
 
 
 def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int, checkpointing: bool,
-              max_length: int) -> dict:
+              max_length: int, bf16: bool = False) -> dict:
     from stages import sft
     from stages.config import load_config
 
-    out = Path(work) / f"spa-z{stage}-gc{int(checkpointing)}-{max_length}"
+    out = Path(work) / f"spa-z{stage}-gc{int(checkpointing)}-{max_length}-bf16{int(bf16)}"
     config = load_config(None, [], {
-        "model.name": MODEL, "sft.data": data, "sft.out": str(out), "sft.global_batch": rows_per_step,
+        "model.name": MODEL, "model.dtype": "bfloat16" if bf16 else "float32", "sft.data": data, "sft.out": str(out), "sft.global_batch": rows_per_step,
         "sft.stop_after_steps": steps, "sft.zero_stage": stage, "sft.gradient_checkpointing": checkpointing,
         "sft.max_length": max_length, "sft.val_data": "", "quiet": True})
     sft.run(config)
@@ -144,7 +147,7 @@ def rates(steps: list[tuple[int, float]]) -> dict:
             "timed_steps": len(steps), "timed_tokens": sum(n for n, _ in steps)}
 
 
-def child_trl(data: str, work: str, rows_per_step: int, steps: int, defaults: bool) -> dict:
+def child_trl(data: str, work: str, rows_per_step: int, steps: int, defaults: bool, bf16: bool = False) -> dict:
     """TRL's SFTTrainer. `defaults`: as TRL sets it up (one padded batch a step, gradient
     checkpointing on); else tuned like spa (one row a forward, no padding, no checkpointing)."""
     from datasets import load_dataset
@@ -169,9 +172,9 @@ def child_trl(data: str, work: str, rows_per_step: int, steps: int, defaults: bo
         options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": rows_per_step,
                    "gradient_checkpointing": False}
     args = SFTConfig(
-        output_dir=str(Path(work) / f"trl-{defaults}"), learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.95,
+        output_dir=str(Path(work) / f"trl-{defaults}-{bf16}"), learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.95,
         weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=0.1, max_grad_norm=1.0,
-        max_steps=steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        max_steps=steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=bf16,
         max_length=2048, assistant_only_loss=True, seed=1, dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding", disable_tqdm=True, **options)
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
@@ -198,7 +201,8 @@ def run_child(kind: str, **kwargs) -> dict:
 
 def child_main(spec: dict) -> None:
     kind = spec.pop("kind")
-    result = {"spa": child_spa, "trl": child_trl, "peak": lambda: {"flops": matmul_peak()}}[kind](**spec)
+    result = {"spa": child_spa, "trl": child_trl, "peak": lambda: {"flops": matmul_peak(), "flops_bf16":
+              matmul_peak("bfloat16")}}[kind](**spec)
     result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)
     print(json.dumps(result))
 
@@ -242,11 +246,13 @@ def main() -> None:
     trainers = {
         "spa": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048}),  # the defaults
         "spa_plain_torch": ("spa", {"stage": 0, "checkpointing": False, "max_length": 2048}),
+        "spa_bf16": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "bf16": True}),
     }
     if not args.skip_trl:
         trainers["trl_defaults"] = ("trl", {"defaults": True})
         trainers["trl_tuned"] = ("trl", {"defaults": False})
-    peaks = [run_child("peak")["flops"]]
+        trainers["trl_tuned_bf16"] = ("trl", {"defaults": False, "bf16": True})
+    peaks = [run_child("peak")]
     runs: dict[str, dict] = {}
     for _ in range(args.repeats):  # interleaved, so a busy spell on the machine hits every trainer
         for name, (kind, options) in trainers.items():
@@ -258,29 +264,30 @@ def main() -> None:
         long = long_rows(data, work / "long.jsonl")
         rss = run_child("spa", data=str(long), work=str(work), rows_per_step=1, steps=2, stage=2,
                         checkpointing=True, max_length=2048)
-    peaks.append(run_child("peak")["flops"])
-    peak = max(peaks)
+    peaks.append(run_child("peak"))
+    peak = {"float32": max(p["flops"] for p in peaks), "bfloat16": max(p["flops_bf16"] for p in peaks)}
 
-    def mfu(tokens_per_s: float) -> float:
-        return round(6 * params * tokens_per_s / peak, 3)
+    def mfu(name: str, tokens_per_s: float) -> float:
+        return round(6 * params * tokens_per_s / peak["bfloat16" if name.endswith("bf16") else "float32"], 3)
 
     result = {
         "model": MODEL, "parameters": params, "device": "cpu", "threads": os.cpu_count(),
         "data": {"rows": stats.kept, "mean_tokens": round(stats.tokens / stats.kept),
                  "trained_fraction": round(stats.trained_tokens / stats.tokens, 3)},
         "rows_per_step": args.rows_per_step, "timed_steps": args.steps - 1, "repeats": args.repeats,
-        "matmul_peak_gflops": round(peak / 1e9, 1), "matmul_gflops_samples": [round(p / 1e9, 1) for p in peaks],
+        "matmul_peak_gflops": {dtype: round(flops / 1e9, 1) for dtype, flops in peak.items()},
     }
     for name, run in runs.items():
-        result[name] = {**run, "mfu": mfu(run["tokens_per_s"])}
+        result[name] = {**run, "mfu": mfu(name, run["tokens_per_s"])}
     for name in runs:
         if name.startswith("trl"):
-            result[f"ratio_vs_{name}"] = round(runs["spa"]["tokens_per_s"] / runs[name]["tokens_per_s"], 3)
+            ours = runs["spa_bf16" if name.endswith("bf16") else "spa"]
+            result[f"ratio_vs_{name}"] = round(ours["tokens_per_s"] / runs[name]["tokens_per_s"], 3)
     if rss:
         result["full_finetune_2048_peak_rss_gb"] = rss["peak_rss_gb"]
         result["rss_run"] = {"zero_stage": 2, "gradient_checkpointing": True, "max_length": 2048,
                              "tokens_per_s": round(rss["tokens_per_s"], 1)}
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

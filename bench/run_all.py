@@ -1,9 +1,14 @@
-"""Run every benchmark in this folder and write their JSON results into one file.
+"""Run the benchmarks in this folder and collect their JSON results in one file.
 
-Each `bench_*.py` prints one JSON object on stdout. The combined result, with the machine it ran
-on, goes to `bench/results.json` (or the path given as the first argument) and to stdout.
+Each `bench_*.py` prints one JSON object on stdout. The results go to `bench/results.json`, one
+entry per benchmark with the machine and date it ran on; a benchmark that was not run this time
+keeps its previous entry, so `--only` refreshes some without losing the others.
+
+    python bench/run_all.py                       # every benchmark
+    python bench/run_all.py --only bench_ppo      # just these (repeatable)
 """
 
+import argparse
 import json
 import os
 import platform
@@ -18,15 +23,36 @@ HERE = Path(__file__).resolve().parent
 def machine() -> dict:
     import torch
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+    return {"platform": platform.platform(), "processor": _cpu_name(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d")}
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> int:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "results.json"
-    results, failed = {"machine": machine()}, []
-    for script in sorted(HERE.glob("bench_*.py")):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    parser.add_argument("--only", action="append", help="a benchmark's name, e.g. bench_sft (repeatable)")
+    args = parser.parse_args()
+    scripts = sorted(HERE.glob("bench_*.py"))
+    if args.only:
+        unknown = set(args.only) - {s.stem for s in scripts}
+        if unknown:
+            print(f"error: no benchmark named {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        scripts = [s for s in scripts if s.stem in args.only]
+    results = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    failed = []
+    for script in scripts:
         print(f"running {script.name} ...", file=sys.stderr, flush=True)
         start = time.time()
         proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
@@ -34,9 +60,10 @@ def main() -> int:
             failed.append(script.name)
             results[script.stem] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
             continue
-        results[script.stem] = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[script.stem]["wall_s"] = round(time.time() - start, 1)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+        results[script.stem] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                                "wall_s": round(time.time() - start, 1), "machine": machine()}
+        args.out.write_text(json.dumps(results, indent=2) + "\n")  # keep what finished if a later one hangs
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 1 if failed else 0
 

@@ -27,6 +27,7 @@ import copy
 import hashlib
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -175,6 +176,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
         state[name] = {"fingerprint": key, "complete": False}
         artifacts.write_json(state_path, state)
         _runner(name)(stage_config, resume)
+        _release_memory()
         state[name]["complete"] = True
         artifacts.write_json(state_path, state)
     table = _write_table(config, run_dir)
@@ -201,6 +203,17 @@ def _runner(name: str) -> Callable[[SPAConfig, bool], Any]:
     runners = {"generate": lambda cfg, _: generate.run(cfg), "clean": lambda cfg, _: clean.run(cfg),
                "sft": run_sft, "ppo": run_ppo, "ppo_vanilla": run_ppo}
     return runners.get(name, run_eval)
+
+
+def _release_memory() -> None:
+    """Free what the finished stage held (its models, a vLLM engine's GPU memory) before the next
+    stage loads its own: the stages run in this one process."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _remove(paths: list[Path]) -> None:
