@@ -166,13 +166,13 @@ def run(config: SPAConfig) -> dict[str, Any]:
         key = fingerprint(name, stage_config)
         recorded = state.get(name, {})
         if recorded.get("fingerprint") == key and recorded.get("complete"):
-            console.print(f"[pipeline] {name}: complete, skipped", highlight=False)
+            console.print(f"[pipeline] {name}: complete, skipped", highlight=False, markup=False)
             skipped.append(name)
             continue
         resume = recorded.get("fingerprint") == key  # started with the same settings: continue it
         if not resume:
             _remove(stage_outputs(name, stage_config))
-        console.print(f"[pipeline] {name}: {'resuming' if resume else 'running'}", highlight=False)
+        console.print(f"[pipeline] {name}: {'resuming' if resume else 'running'}", highlight=False, markup=False)
         state[name] = {"fingerprint": key, "complete": False}
         artifacts.write_json(state_path, state)
         _runner(name)(stage_config, resume)
@@ -180,7 +180,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
         state[name]["complete"] = True
         artifacts.write_json(state_path, state)
     table = _write_table(config, run_dir)
-    console.print(table, highlight=False, markup=False)
+    console.print(table, highlight=False, markup=False, soft_wrap=True)
     return {"dir": str(run_dir.root), "skipped": skipped, "table": table}
 
 

@@ -35,7 +35,8 @@ def spa(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def interrupted(args: list[str], cwd: Path, ready: Callable[[], bool], sig: int) -> subprocess.CompletedProcess:
     """Run `spa args` and send `sig` as soon as `ready()` holds (polled every 20 ms)."""
     process = subprocess.Popen([sys.executable, "-m", "spa_cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=_default_sigint)  # noqa: PLW1509 - no threads start children here
     deadline = time.monotonic() + 300
     while not ready():
         assert process.poll() is None, f"finished before the interruption point: {process.communicate()[1]}"
@@ -44,6 +45,12 @@ def interrupted(args: list[str], cwd: Path, ready: Callable[[], bool], sig: int)
     process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=120)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _default_sigint() -> None:
+    """A job started in the background (nohup, `cmd &` in a script) inherits SIGINT ignored, and
+    Python then never raises KeyboardInterrupt: give the child the terminal's default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def assert_stopped_by(result: subprocess.CompletedProcess, sig: int) -> None:

@@ -62,11 +62,13 @@ def test_the_table_has_one_row_per_model_in_the_papers_order(finished):
     assert rows[2].split("|")[2].strip() == f"{100 * pass1:.1f}"
 
 
-def test_a_second_run_skips_every_completed_stage(finished, tiny_model_dir):
+def test_a_second_run_skips_every_completed_stage(finished, tiny_model_dir, capsys):
     run_dir, _ = finished
     before = (run_dir / "sft" / "final" / "model.safetensors").stat().st_mtime_ns
     result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir))
     assert result["skipped"] == STAGES
+    shown = capsys.readouterr().out  # shown even with quiet=true, which only hides progress bars
+    assert "[pipeline] generate: complete, skipped" in shown and result["table"].splitlines()[2] in shown
     assert (run_dir / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == before
 
 
