@@ -295,7 +295,7 @@ def envs() -> None:
         except Exception:  # noqa: BLE001 - a game needing an option (qa: path) is described by its class
             game = spec.load_class()
         settings = ", ".join(f"{k}={v}" for k, v in spec.kwargs.items())
-        actions = " | ".join(game.action_names) if game.action_names else getattr(game, "move_format", "")
+        actions = _moves(game)
         table.add_row(name, spec.gym_id, settings, f"{actions or 'free-form'} / {game.max_actions_per_traj}",
                       spec.summary)
     console.print(table)
@@ -317,7 +317,7 @@ def play(
     game = registry.make(env, render_mode=render_mode)
     text, _ = game.reset(seed=seed)
     typer.echo(text)
-    names = " | ".join(game.action_names) if game.action_names else "row,col,value (1-indexed)"
+    names = _moves(game)
     if actions is not None:
         moves = [a.strip() for a in actions.split("||")]
         bad = [m for m in moves if game.parse_action(m) is None]
@@ -337,6 +337,11 @@ def play(
             continue
         if any(_play_one(game, move) for move in moves):
             break
+
+
+def _moves(game: Any) -> str:
+    """How a game's moves are written: its action names, or its free-form move format."""
+    return " | ".join(game.action_names) if game.action_names else getattr(game, "move_format", "")
 
 
 def _play_one(game: Any, move: str) -> bool:
