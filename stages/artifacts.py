@@ -221,14 +221,17 @@ class JsonlAppender:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def append(self, row: dict) -> None:
-        data = memoryview((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
         size = os.fstat(self._fd).st_size
         try:
+            data = memoryview(line)
             while data:
                 data = data[os.write(self._fd, data):]
             os.fsync(self._fd)
         except BaseException as err:
-            os.ftruncate(self._fd, size)
+            # An interrupt can land after the row is whole (during fsync): keep it then.
+            if os.fstat(self._fd).st_size != size + len(line):
+                os.ftruncate(self._fd, size)
             if isinstance(err, OSError):
                 raise _naming(err, self.path) from None
             raise

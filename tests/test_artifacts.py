@@ -38,3 +38,27 @@ def test_temp_dir_beside_has_mkdir_permissions(tmp_path, umask_027):
     tmp = artifacts.temp_dir_beside(tmp_path / "final")
     assert tmp.parent == tmp_path and tmp.name.startswith(".final-") and tmp.name.endswith(".tmp")
     assert tmp.stat().st_mode & 0o777 == 0o750
+
+
+def _interrupt(*_args):
+    raise KeyboardInterrupt
+
+
+def test_appender_cuts_a_row_interrupted_mid_write(tmp_path, monkeypatch):
+    path = tmp_path / "t.jsonl"
+    real_write = os.write
+    with artifacts.JsonlAppender(path) as appender:
+        appender.append({"id": 1})
+        monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, data[:3]) and _interrupt())
+        with pytest.raises(KeyboardInterrupt):
+            appender.append({"id": 2})
+    assert path.read_text() == '{"id": 1}\n'
+
+
+def test_appender_keeps_a_whole_row_interrupted_during_fsync(tmp_path, monkeypatch):
+    path = tmp_path / "t.jsonl"
+    with artifacts.JsonlAppender(path) as appender:
+        monkeypatch.setattr(os, "fsync", _interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            appender.append({"id": 1})
+    assert path.read_text() == '{"id": 1}\n'

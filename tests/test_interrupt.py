@@ -67,7 +67,8 @@ def completed(result: subprocess.CompletedProcess) -> None:
 
 
 def lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    """Whole lines only: a row being written has no newline yet."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def rows_by_id(path: Path) -> dict[str, dict]:
