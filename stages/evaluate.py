@@ -420,6 +420,9 @@ def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[
             "k": k,
             "pass@1": figures.get("pass@1"),
             "pass@k": figures.get("pass_at_k", {}).get(str(k)),
+            # (difference, 2.5%, 97.5%) against the first report; None for it and when not paired
+            "pass@1_vs_first": _paired(reports[0], report, 1) if report is not reports[0] else None,
+            "pass@k_vs_first": _paired(reports[0], report, k) if report is not reports[0] else None,
             "observation_exact": wm.get("observation", {}).get("exact_match"),
             "prediction_exact": wm.get("prediction", {}).get("exact_match"),
             "observation_cells": wm.get("observation", {}).get("cell_accuracy"),
@@ -430,8 +433,15 @@ def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[
     return rows
 
 
+def _paired(first: dict, other: dict, k: int) -> tuple[float, float, float] | None:
+    return metrics.paired_difference(first.get("per_seed", []), other.get("per_seed", []), k)
+
+
 def compare(paths: Sequence[str | Path], force: bool = False):
-    """A rich table of several reports side by side, in percent like the paper's Table 2."""
+    """A rich table of several reports side by side, in percent like the paper's Table 2, and a
+    second one with each report's Pass@1 and Pass@k minus the first report's, with 95% intervals
+    over the puzzles."""
+    from rich.console import Group
     from rich.table import Table
 
     rows = compare_rows(paths, force)
@@ -447,7 +457,14 @@ def compare(paths: Sequence[str | Path], force: bool = False):
         table.add_row(row["report"], row["model"], _percent(row["pass@1"]), k_cell,
                       _percent(row["observation_exact"]), _percent(row["prediction_exact"]),
                       _percent(row["observation_cells"]), _percent(row["prediction_cells"]))
-    return table
+    if len(rows) == 1:
+        return table
+    differences = Table(title=f"minus {rows[0]['report']} [95% interval, puzzles resampled]")
+    for header in ("report", "Pass@1", k_header):
+        differences.add_column(header, justify="left" if header == "report" else "right")
+    for row in rows[1:]:
+        differences.add_row(row["report"], _difference(row["pass@1_vs_first"]), _difference(row["pass@k_vs_first"]))
+    return Group(table, differences)
 
 
 # ---- showing a report ------------------------------------------------------------------------
@@ -455,6 +472,13 @@ def compare(paths: Sequence[str | Path], force: bool = False):
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _difference(paired: tuple[float, float, float] | None) -> str:
+    if paired is None:
+        return "-"
+    diff, low, high = (100 * value for value in paired)
+    return f"{diff:+.1f} [{low:+.1f}, {high:+.1f}]"
 
 
 def _number(value: float | None, digits: int = 2) -> str:

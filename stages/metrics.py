@@ -7,7 +7,8 @@ episode, see `Episode.to_json` in `stages.rollout`), so a metric can be recomput
 Three families:
 
 * **Pass@k** (`pass_at_k`, `mean_pass_at_k`, `pass_at_k_curve`): the unbiased estimator of
-  Chen et al. 2021, averaged over puzzles (seeds).
+  Chen et al. 2021, averaged over puzzles (seeds); `paired_difference` puts a bootstrap
+  interval on the difference between two models evaluated on the same puzzles.
 * **Episode aggregates** (`episode_metrics`): success rate (= Pass@1), reward, turns, actions,
   action validity and effectiveness, format-valid rate.
 * **World-model accuracy** (`world_model_metrics`): how often the model's ``<observation>`` equals
@@ -17,6 +18,7 @@ Three families:
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -73,6 +75,26 @@ def pass_at_k_curve(per_seed: Sequence[Mapping[str, int]]) -> dict[int, float]:
         return {}
     k_max = min(n for n, _ in counts)
     return {k: mean_pass_at_k(counts, k) for k in range(1, k_max + 1)}
+
+
+def paired_difference(first: Sequence[Mapping[str, int]], second: Sequence[Mapping[str, int]], k: int, *,
+                      resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float] | None:
+    """Pass@k of `second` minus Pass@k of `first`, with a 95% percentile interval, over the seeds
+    both were evaluated on (``None`` when they share none, or a shared seed has fewer than k samples).
+
+    The interval comes from resampling seeds with replacement, the same seeds for both models, so
+    that how hard each puzzle is cancels out of the difference: with 128 puzzles the puzzles drawn,
+    not the samples per puzzle, are most of the noise. Deterministic for a given `seed`.
+    """
+    a = {row["seed"]: (row["n"], row["successes"]) for row in first}
+    b = {row["seed"]: (row["n"], row["successes"]) for row in second}
+    shared = sorted(a.keys() & b.keys())
+    if not shared or min(min(a[s][0], b[s][0]) for s in shared) < k:
+        return None
+    diffs = [pass_at_k(*b[s], k) - pass_at_k(*a[s], k) for s in shared]
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(resamples))
+    return sum(diffs) / len(diffs), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
 def per_seed_counts(trajectories: Iterable[Trajectory]) -> list[dict[str, int]]:

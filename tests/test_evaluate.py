@@ -212,7 +212,7 @@ def test_an_unknown_env_option_is_a_user_error(tmp_path):
 # ---- compare ---------------------------------------------------------------------------------
 
 
-def write_report(tmp_path, name, pass1, passk, model="m", **settings):
+def write_report(tmp_path, name, pass1, passk, model="m", per_seed=(), **settings):
     base = {"model": model, "backend": "hf", "env": "sokoban", "env_options": {}, "render_mode": "coords",
             "prompt_mode": "world_model", "seeds": 128, "first_seed": 123, "n": 8, "k": 8, "temperature": 1.0,
             "top_p": 1.0, "max_new_tokens": 400, "max_turns": 5, "versions": {"python": "3.x"}}
@@ -221,7 +221,7 @@ def write_report(tmp_path, name, pass1, passk, model="m", **settings):
               "metrics": {"pass@1": pass1, "pass_at_k": {"1": pass1, "8": passk},
                           "world_model": {"observation": {"exact_match": 0.9, "cell_accuracy": 0.99},
                                           "prediction": {"exact_match": 0.2, "cell_accuracy": 0.9}}},
-              "per_seed": []}
+              "per_seed": list(per_seed)}
     path = tmp_path / name
     path.write_text(json.dumps(report))
     return path
@@ -240,6 +240,27 @@ def test_compare_lays_reports_side_by_side(tmp_path):
     console.print(evaluate.compare([a, b]))
     text = console.export_text()
     assert "Pass@8" in text and "59.8" in text and "69.5" in text and "16.3" in text and "20.0" in text
+
+
+def test_compare_gives_each_report_minus_the_first_over_shared_puzzles(tmp_path):
+    from rich.console import Console
+
+    per_seed = [{"seed": 123 + i, "n": 8, "successes": c} for i, c in enumerate((0, 2, 4, 8))]
+    better = [{**row, "successes": min(8, row["successes"] + 2)} for row in per_seed]
+    a = write_report(tmp_path, "a.json", 0.4375, 0.75, per_seed=per_seed)
+    b = write_report(tmp_path, "b.json", 0.625, 1.0, per_seed=better)
+    rows = evaluate.compare_rows([a, b])
+    assert rows[0]["pass@1_vs_first"] is None and rows[0]["pass@k_vs_first"] is None
+    diff, low, high = rows[1]["pass@1_vs_first"]
+    # Per seed +2/8, +2/8, +2/8, 0: a resample holds the 0 three or four times with chance 0.05
+    # (mean 1/16 or 0), and never with chance 0.32 (mean 1/4).
+    assert (diff, low, high) == pytest.approx((3 / 16, 1 / 16, 1 / 4))
+    # Pass@8 per seed: 0, 1, 1, 1 vs 1, 1, 1, 1. A resample of 4 seeds holds the differing one
+    # 0 times with chance 0.32 and 3 or 4 times with chance 0.05: the interval is [0, 3/4].
+    assert rows[1]["pass@k_vs_first"] == (0.25, 0.0, 0.75)
+    console = Console(width=200, record=True)
+    console.print(evaluate.compare([a, b]))
+    assert f"+18.8 [{100 * low:+.1f}, {100 * high:+.1f}]" in console.export_text()
 
 
 @pytest.mark.parametrize("setting, value", [("temperature", 0.7), ("env", "sudoku"), ("n", 16),

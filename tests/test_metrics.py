@@ -11,6 +11,7 @@ from stages.metrics import (
     grid_cells,
     mean_pass_at_k,
     normalize_state,
+    paired_difference,
     pass_at_k,
     pass_at_k_curve,
     per_seed_counts,
@@ -92,6 +93,45 @@ def test_per_seed_counts():
                     {"seed": 124, "success": True}]
     assert per_seed_counts(trajectories) == [{"seed": 123, "n": 2, "successes": 1},
                                              {"seed": 124, "n": 3, "successes": 2}]
+
+
+def seeds(*counts: tuple[int, int], first: int = 123) -> list[dict[str, int]]:
+    return [{"seed": first + i, "n": n, "successes": c} for i, (n, c) in enumerate(counts)]
+
+
+def test_paired_difference_of_a_model_with_itself_is_zero_with_no_spread():
+    counts = seeds((8, 0), (8, 3), (8, 8))
+    assert paired_difference(counts, counts, 1) == (0.0, 0.0, 0.0)
+
+
+def test_paired_difference_by_hand():
+    # Per-seed differences 0 and 1: a resample's mean is 0, 1/2 or 1 with chances 1/4, 1/2, 1/4,
+    # so the 2.5% and 97.5% points of 10,000 resamples are 0 and 1.
+    first, second = seeds((2, 1), (2, 0)), seeds((2, 1), (2, 2))
+    assert paired_difference(first, second, 1) == (0.5, 0.0, 1.0)
+    # Pass@2 per seed: 1 vs 1 and 0 vs 1.
+    assert paired_difference(first, second, 2) == (0.5, 0.0, 1.0)
+
+
+def test_a_constant_per_seed_difference_has_no_spread():
+    first, second = seeds((4, 1), (4, 2), (4, 0)), seeds((4, 2), (4, 3), (4, 1))
+    assert paired_difference(first, second, 1) == (0.25, 0.25, 0.25)
+
+
+def test_paired_difference_uses_shared_seeds_only_and_needs_k_samples():
+    first, second = seeds((4, 4), (4, 0)), seeds((4, 0), first=124)  # shared: seed 124
+    assert paired_difference(first, second, 1) == (0.0, 0.0, 0.0)
+    assert paired_difference(first, seeds((4, 0), first=200), 1) is None
+    assert paired_difference(first, second, 8) is None
+
+
+def test_paired_difference_is_deterministic_and_its_interval_holds_the_difference():
+    first = seeds(*[(8, (3 * i) % 9) for i in range(40)])
+    second = seeds(*[(8, (5 * i + 2) % 9) for i in range(40)])
+    diff, low, high = paired_difference(first, second, 1)
+    assert diff == pytest.approx(sum(((5 * i + 2) % 9 - (3 * i) % 9) / 8 for i in range(40)) / 40)
+    assert low < diff < high
+    assert paired_difference(first, second, 1) == (diff, low, high)
 
 
 # ---- episode aggregates ------------------------------------------------------------------------
