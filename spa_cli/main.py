@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
+
+# Stages draw their own rich progress; transformers' tqdm bars on every model load and save
+# ("Loading weights", "Writing model shards") would interleave with it. A user's setting wins.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 # The UsageError of the click that typer runs on (recent typers vendor their own copy and export
 # only BadParameter from it); every bad flag raises one.

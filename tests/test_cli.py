@@ -1,6 +1,7 @@
 """The `spa` command line as a user meets it: help, config, envs, play, and one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,15 @@ def test_generate_plays_a_game_given_as_an_import_path(tmp_path, monkeypatch):
     assert sorted(row["id"] for row in rows) == [f"examples.double_or_add:DoubleOrAdd-{seed}-{sample}"
                                                  for seed in (10000, 10001) for sample in (0, 1)]
     assert rows[0]["turns"][0]["state"].startswith("Value: 1; target: ")
+
+
+def test_model_loads_draw_no_tqdm_bars_beside_spa_progress(tiny_model_dir, tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    out = tmp_path / "t.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "spa_cli", "generate", "--model", str(tiny_model_dir), "--groups", "1",
+         "--group-size", "1", "--set", "rollout.max_new_tokens=4", "--set", "rollout.max_turns=1", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert len(out.read_text().splitlines()) == 1
+    assert "Loading weights" not in result.stderr and "it/s]" not in result.stderr, result.stderr
