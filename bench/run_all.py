@@ -59,11 +59,10 @@ def main() -> int:
         if proc.returncode != 0:
             failed.append(script.name)
             results[script.stem] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
-            continue
-        results[script.stem] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
-                                "wall_s": round(time.time() - start, 1), "machine": machine()}
+        else:
+            results[script.stem] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                                    "wall_s": round(time.time() - start, 1), "machine": machine()}
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # keep what finished if a later one hangs
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 1 if failed else 0
 
