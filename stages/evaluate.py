@@ -21,7 +21,10 @@ from stages.evaluation.runner import check, evaluate
 def run(config: SPAConfig, backend: Any = None) -> dict:
     """Run the eval that ``config`` describes; write and return the report. `backend` (a
     notebook's or a test's) replaces the one `rollout.backend` would open."""
-    if backend is None:
-        check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
-        backend = make_backend(config.model, config.rollout)
-    return evaluate(config, backend)
+    if backend is not None:
+        return evaluate(config, backend)
+    check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
+    backend = make_backend(config.model, config.rollout)
+    report = evaluate(config, backend)
+    backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
+    return report

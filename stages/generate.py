@@ -29,7 +29,7 @@ from stages.common.console import Console
 from stages.common.errors import UserError
 
 #: Settings that may change between a run and its resume: they add episodes or change speed only.
-RESUMABLE = ("groups", "group_size", "seed", "batch_size", "gpu_memory_utilization")
+RESUMABLE = ("groups", "group_size", "seed", "batch_size", "gpu_memory_utilization", "kv_cache_gb")
 
 
 def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
@@ -42,6 +42,7 @@ def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
     artifacts.check_writable(out)
     resuming = runs.start(out, settings(config), config.generate.resume, "generate",
                           holds_run=out.is_file() and out.stat().st_size > 0)
+    opened = backend is None
     backend = backend if backend is not None else make_backend(config.model, config.rollout)
     runs.record(out, "generate", to_dict(config), settings(config), summary=None)  # before any episode
     done_ids = _episodes_in(out) if resuming else set()
@@ -62,6 +63,8 @@ def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
 
         play(config.env, rollout, backend, seeds, rollout.group_size, model=config.model.name,
              skip_ids=frozenset(done_ids), on_episode=keep, progress=tally.tokens)
+    if opened:
+        backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
     summary = summarize(out, set(wanted), new=len(todo), seconds=tally.seconds(), tokens=tally.generated)
     runs.record(out, "generate", to_dict(config), settings(config), summary=summary)
     print_summary(summary, console)

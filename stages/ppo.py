@@ -6,7 +6,8 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
 1. **Rollout**: ``rollout.groups x rollout.group_size`` episodes on fresh train seeds (the seed
    counter starts at ``rollout.seed`` and advances by ``groups`` every step), played by the live
    actor: the hf backend generates with the actor model itself; the vllm backend gets the actor's
-   weights after every update. An episode's score (the sum of its turn rewards and format
+   weights after every update (and after a resume), and on a GPU sleeps during the update, its
+   memory handed to training. An episode's score (the sum of its turn rewards and format
    penalties) is the reward of its last sampled token.
 2. **Filter**: keep the ``ppo.filter_ratio`` of groups with the largest reward std (SPA: 8 of 32).
 3. **Old log-probs and values**: a no-grad pass of the actor (and of the frozen reference when
@@ -407,9 +408,12 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 if models.critic_engine is not None:
                     models.critic_engine.module.eval()
                     score(models.critic_engine, samples, "values", ppo.micro_batch_tokens, device, pad_id)
-            # 4. advantages; 5. update, then hand the new weights to the rollout engine
+            # 4. advantages; 5. update (a vLLM engine on a GPU sleeps meanwhile, leaving its memory to
+            # training), then hand the new weights to the rollout engine, which wakes it
             compute_advantages(samples, ppo)
             with timer("update"):
+                if config.rollout.backend == "vllm":
+                    backend.sleep()
                 train_stats = update(models, samples, config, step)
                 if config.rollout.backend == "vllm":
                     backend.load_weights(actor.named_parameters())
@@ -431,6 +435,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             elif step % ppo.save_every == 0:
                 save_checkpoint(run_dir, f"step-{step}", models, progress)
             bar.update(step, f"reward {row['reward']:.3f} success {row['success']:.2f}")
+    backend.close()
     console.say(f"ppo: {step} steps done; final checkpoint {run_dir.final}, metrics {run_dir.metrics}")
     return {"out": str(run_dir.out), "steps": step, "final": str(run_dir.final), "last": _finite_or_none(last)}
 

@@ -10,6 +10,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    """The ordinary tests run on the CPU, GPU or not (`model.device: auto` would put them on CUDA,
+    where their CPU tolerances and CPU-only engines do not hold): GPUs stay visible only to a run
+    that selects the GPU tests (`pytest -m gpu`). Set before torch first looks for CUDA, and
+    inherited by the processes the tests start."""
+    markexpr = config.getoption("markexpr", "") or ""
+    if "gpu" not in markexpr.replace("not gpu", ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The bundled SmolLM2-135M-Instruct tokenizer (converted once into the cache, ~30 s)."""

@@ -153,3 +153,37 @@ def test_null_where_allowed_and_every_default_in_range():
     assert config.rollout.max_actions_per_traj is None and config.eval.n is None
     SPAConfig()  # the defaults pass their own ranges
     assert math.isfinite(SPAConfig().rollout.format_penalty)
+
+
+# ---- models --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device, dtype, capability, installed, expected", [
+    ("cpu", "bfloat16", None, True, "sdpa"),
+    ("cuda", "float32", (9, 0), True, "sdpa"),  # flash-attention has no fp32 kernel
+    ("cuda", "bfloat16", (8, 0), True, "flash_attention_2"),
+    ("cuda:1", "float16", (9, 0), True, "flash_attention_2"),
+    ("cuda", "bfloat16", (7, 5), True, "sdpa"),  # before Ampere
+    ("cuda", "bfloat16", (9, 0), False, "sdpa"),  # flash-attn not installed
+])
+def test_flash_attention_only_where_it_can_run(monkeypatch, device, dtype, capability, installed, expected):
+    import torch
+    import transformers.utils
+
+    from stages.common.models import pick_attention
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: installed)
+    assert pick_attention("auto", device, getattr(torch, dtype)) == expected
+    assert pick_attention("eager", device, getattr(torch, dtype)) == "eager"  # an explicit choice stands
+
+
+def test_ordinary_tests_see_no_gpu():
+    """conftest hides the GPUs from runs that do not select the GPU tests: `model.device: auto` is the CPU."""
+    import os
+
+    import torch
+
+    from stages.common.models import pick_device
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available() and pick_device() == "cpu"

@@ -263,22 +263,24 @@ def test_bfloat16_on_the_cpu_samples_and_trains_in_bf16_over_fp32_weights(tiny_m
     assert 0 < row["logp_diff"] < 2e-2  # sampler and trainer both in bf16, in different batch shapes
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_vllm_rollouts_follow_the_trained_weights(tiny_model_dir, tmp_path):
-    """On GPU the rollouts run on vLLM and the actor's weights are pushed after every update: the
-    trainer's log-probs of step 2's samples must match vLLM's, though the update changed the weights."""
-    pytest.importorskip("vllm")
-    from safetensors.torch import load_file
+def test_validation_measures_the_state_perplexity_of_the_live_actor(tiny_model_dir, tmp_path, tokenizer):
+    """ppo.val_every with eval.state_ppl: the perplexity is the trained actor's, not the checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.evaluation.perplexity import state_perplexity
 
     out = tmp_path / "run"
-    ppo.run(tiny_config(tiny_model_dir, out, "rollout.backend=vllm", "model.dtype=float32", "ppo.actor_lr=1e-2",
-                        "rollout.gpu_memory_utilization=0.3"))
-    rows = read_metrics(out)
-    assert [row["logp_diff"] < 2e-3 for row in rows] == [True, True]
-    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
-    change = max(float((after[k].float() - before[k].float()).abs().max()) for k in before)
-    assert change > 1e-3  # the weights moved, so stale rollout weights would show in logp_diff
+    config = tiny_config(tiny_model_dir, out, "ppo.steps=1", "ppo.val_every=1", "ppo.actor_lr=1e-2", "ppo.zero_stage=0",
+                         "eval.seeds=2", "eval.pass_k=1", "eval.state_ppl=true")
+    ppo.run(config)
+    found = json.loads((out / "val" / "step-1.json").read_text())["metrics"]["state_perplexity"]["coords"]["ppl"]
+
+    def ppl(model_dir):
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        return state_perplexity(model, tokenizer, config.env, [123, 124])["coords"]["ppl"]
+
+    assert found == pytest.approx(ppl(out / "final"), rel=1e-4)
+    assert abs(found - ppl(tiny_model_dir)) > 1e-3 * found  # the update moved it
 
 
 # ---- learning test -------------------------------------------------------------------------------

@@ -268,6 +268,19 @@ def test_deepspeed_configs_fill_auto_values():
     assert zero["stage3_gather_16bit_weights_on_model_save"] and "auto" not in json.dumps(gpu)
 
 
+def test_deepspeed_bf16_accumulates_fp32_and_one_gpu_keeps_no_spare_buffers():
+    one = deepspeed_config(2, offload=False, grad_clip=1.0, device="cuda:0", mixed="bf16")
+    assert one["data_types"]["grad_accum_dtype"] == "fp32"  # not DeepSpeed's default, the model's bf16
+    assert one["zero_optimization"]["overlap_comm"] is False
+    assert one["zero_optimization"]["reduce_bucket_size"] == 2e7 == one["zero_optimization"]["allgather_bucket_size"]
+    four = deepspeed_config(2, offload=False, grad_clip=1.0, device="cuda:0", mixed="bf16", world=4)
+    assert four["zero_optimization"]["overlap_comm"] is True and four["zero_optimization"]["reduce_bucket_size"] == 5e8
+    fp32 = deepspeed_config(2, offload=False, grad_clip=1.0, device="cuda:0", mixed=None, world=4)
+    assert "data_types" not in fp32  # fp32 gradients are fp32 already
+    assert deepspeed_config(2, offload=False, grad_clip=1.0, device="cpu", mixed=None, world=2)[
+        "zero_optimization"]["overlap_comm"] is False
+
+
 # ---- training ----------------------------------------------------------------------------------
 
 
@@ -444,6 +457,41 @@ def test_deepspeed_bf16_on_cuda_trains_and_saves(stage, data, tiny_dir, tmp_path
     assert result["complete"] and seen[-1] < seen[0] - 0.3
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert model.dtype == torch.bfloat16 and model.model.embed_tokens.weight.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_bf16_on_cuda_accumulates_gradients_in_fp32(stage, tiny_dir):
+    from stages.common.config import ModelConfig
+    from stages.training import engine as eng
+    from stages.training import trainable
+
+    model_config = ModelConfig(name=str(tiny_dir), dtype="bfloat16")
+    dist = trainable.start_processes(model_config, stage)
+    model, _, mixed = trainable.load_trainable(model_config, dist, zero_stage=stage, seed=0)
+    engine = trainable.make_engine(model, dist, mixed, stage, eng.OptimSettings(1e-3, (0.9, 0.95), 0.0, 1.0, 10, 0.0))
+    assert engine.engine.get_data_types() == (torch.bfloat16, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_rows_under_flash_attention_give_the_same_loss_as_separate_rows(tokenizer, tiny_dir):
+    """What `spa sft` packs on a GPU: flash-attention 2 reads the restarting position_ids as
+    sequence boundaries, so packed rows do not attend to each other."""
+    pytest.importorskip("flash_attn")
+    from transformers import AutoModelForCausalLM
+
+    from stages.common.models import pick_attention
+
+    assert pick_attention("auto", "cuda", torch.bfloat16) == "flash_attention_2"  # what sft then packs for
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="flash_attention_2",
+                                                 dtype=torch.bfloat16).cuda()
+    examples = [tokenize_row(tokenizer, conversation(random.Random(s)), 4096) for s in (1, 2, 3)]
+    with torch.no_grad():
+        packed = sft.token_ce_sum(model, collate(examples, "cuda"))
+        separate = sum(sft.token_ce_sum(model, collate([e], "cuda")) for e in examples)
+    assert torch.allclose(packed, separate, rtol=1e-2)  # bf16
 
 
 @pytest.mark.slow

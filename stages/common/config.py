@@ -116,8 +116,11 @@ class RolloutConfig(_Section):
     batch_size: int = setting(64, ge=1)
     #: Seed of the sampler (and of the random backend).
     sample_seed: int = setting(0, ge=0)
-    #: vLLM's share of GPU memory (vllm backend only).
+    #: vLLM's share of the GPU's memory: weights, activations and KV cache (vllm backend on a GPU).
     gpu_memory_utilization: float = setting(0.6, gt=0, le=1)
+    #: GiB of vLLM's KV cache (vllm backend); null: on a GPU what gpu_memory_utilization leaves, on a
+    #: CPU what batch_size sequences of the longest context need, at most a quarter of the free memory.
+    kv_cache_gb: float | None = setting(None, gt=0)
 
 
 @dataclass

@@ -416,9 +416,13 @@ def _load_deepspeed_file(path: str, map_location: Any = None) -> Any:
 
 
 def deepspeed_config(stage: int, offload: bool, grad_clip: float, device: str, mixed: str | None,
-                     path: str = "") -> dict:
+                     path: str = "", world: int = 1) -> dict:
     """The DeepSpeed config: the user's JSON if given, else configs/deepspeed/zero{2,3}.json, with
-    every "auto" value filled from the stage settings."""
+    every "auto" value filled from the stage settings.
+
+    Memory on one GPU (`world` 1): there is nothing to communicate, so no overlapped communication
+    (its spare buffers) and small buckets. bf16 gradients are accumulated in fp32
+    (``data_types.grad_accum_dtype``; DeepSpeed would otherwise accumulate in the model's bf16)."""
     source = Path(path) if path else DEEPSPEED_DIR / ("zero3.json" if stage == 3 else "zero2.json")
     try:
         config = json.loads(source.read_text(encoding="utf-8"))
@@ -434,10 +438,11 @@ def deepspeed_config(stage: int, offload: bool, grad_clip: float, device: str, m
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if zero["stage"] == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    shared = cuda and world > 1  # several GPUs exchange gradients; one GPU or the CPU has less to gain
     auto = {
-        "overlap_comm": cuda,  # overlapping needs spare buffers; on the CPU there is nothing to overlap
-        "reduce_bucket_size": 5e8 if cuda else 2e7,  # CPU: smaller buckets, less RAM
-        "allgather_bucket_size": 5e8 if cuda else 2e7,
+        "overlap_comm": shared,  # overlapping needs spare buffers; without communication nothing to overlap
+        "reduce_bucket_size": 5e8 if shared else 2e7,  # smaller buckets, less memory
+        "allgather_bucket_size": 5e8 if shared else 2e7,
         "stage3_prefetch_bucket_size": 5e7 if cuda else 1e7,
         "stage3_param_persistence_threshold": 1e5,
     }
@@ -445,6 +450,8 @@ def deepspeed_config(stage: int, offload: bool, grad_clip: float, device: str, m
     _fill_auto(config, {"gradient_clipping": grad_clip, "train_micro_batch_size_per_gpu": 1,
                         "gradient_accumulation_steps": 1})
     config.setdefault("bf16", {})["enabled"] = mixed == "bf16"
+    if mixed == "bf16":
+        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     config.setdefault("fp16", {})["enabled"] = mixed == "fp16"
     if mixed == "fp16":
         _fill_auto(config["fp16"], {"loss_scale": 0, "initial_scale_power": 16})
@@ -466,9 +473,9 @@ def build_engine(model, settings: OptimSettings, dist: Dist, zero_stage: int, of
     if zero_stage == 0:
         return TorchEngine(model, settings, dist.device, autocast_dtype=_autocast_dtype(mixed))
     if not dist.device.startswith("cuda"):  # fp32 weights under autocast (see the module docstring)
-        config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, None, ds_config_path)
+        config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, None, ds_config_path, dist.world)
         return DeepSpeedEngine(model, settings, dist, config, autocast_dtype=_autocast_dtype(mixed))
-    config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, mixed, ds_config_path)
+    config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, mixed, ds_config_path, dist.world)
     return DeepSpeedEngine(model, settings, dist, config)
 
 

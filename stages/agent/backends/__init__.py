@@ -20,6 +20,7 @@ from stages.agent.backends.base import (
     SamplingParams,
     end_token_ids,
 )
+from stages.common.errors import UserError
 
 if TYPE_CHECKING:
     from stages.common.config import ModelConfig, RolloutConfig
@@ -35,10 +36,14 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, model=Non
 
     hf: generates with `model`/`tokenizer` when given (PPO passes its live actor, so rollouts use
     the current weights), else loads them. vllm: loads the model into a vLLM engine (`tokenizer`,
-    if given, is used for the end-of-turn tokens). random: needs neither. A bad model name fails
-    here, in one line, before anything loads.
+    if given, is used for the end-of-turn tokens); given a `model` (PPO's actor), the engine shares
+    the device with training: it receives the actor's weights after each update and, on a GPU,
+    sleeps during it. random: needs neither. A bad model name fails here, in one line, before
+    anything loads. Whoever opens a backend closes it (`close`) when done with it.
     """
     kind = rollout.backend
+    if kind not in BACKENDS:
+        raise UserError(f"rollout.backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
     if kind == "random":
         from stages.agent.backends.random import RandomBackend
 
@@ -57,6 +62,7 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, model=Non
         return HFBackend(model, tokenizer, batch_size=rollout.batch_size)
     from stages.agent.backends.vllm import VLLMBackend
 
-    return VLLMBackend(path, tokenizer, dtype=model_config.dtype,
-                       gpu_memory_utilization=rollout.gpu_memory_utilization, seed=rollout.sample_seed,
-                       trust_remote_code=model_config.trust_remote_code)
+    return VLLMBackend(path, tokenizer, dtype=model_config.dtype, kv_cache_gb=rollout.kv_cache_gb,
+                       gpu_memory_utilization=rollout.gpu_memory_utilization, max_num_seqs=rollout.batch_size,
+                       seed=rollout.sample_seed, trust_remote_code=model_config.trust_remote_code,
+                       sleep_mode=model is not None)

@@ -56,6 +56,10 @@ class GenerationBackend(Protocol):
         """Forget per-episode state for these keys (the episodes are done)."""
         ...
 
+    def close(self) -> None:
+        """Free what the backend holds (caches, an engine); it is not used afterwards."""
+        ...
+
 
 #: Chat end-of-turn markers of common model families; the ones in the vocabulary stop generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")

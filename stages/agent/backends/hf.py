@@ -233,6 +233,10 @@ class HFBackend:
         self._episodes.clear()
         self._prefix = None
 
+    def close(self) -> None:
+        """Drop the caches (the model is its owner's)."""
+        self.reset()
+
     def load_weights(self, named_tensors) -> None:
         """Same call as the vLLM backend's: copy in weights that are not already the model's own
         tensors (a live actor's are), then drop the caches computed with the old ones."""

