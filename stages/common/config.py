@@ -119,7 +119,7 @@ class RolloutConfig(_Section):
     #: vLLM's share of the GPU's memory: weights, activations and KV cache (vllm backend on a GPU).
     gpu_memory_utilization: float = setting(0.6, gt=0, le=1)
     #: GiB of vLLM's KV cache (vllm backend); null: on a GPU what gpu_memory_utilization leaves, on a
-    #: CPU what batch_size sequences of the longest context need, at most a quarter of the free memory.
+    #: CPU what batch_size conversations of 4096 tokens need, at most a quarter of the free memory.
     kv_cache_gb: float | None = setting(None, gt=0)
 
 

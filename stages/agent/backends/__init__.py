@@ -25,8 +25,8 @@ from stages.common.errors import UserError
 if TYPE_CHECKING:
     from stages.common.config import ModelConfig, RolloutConfig
 
-__all__ = ["BACKENDS", "Completion", "GenerationBackend", "GenerationRequest", "SamplingParams", "end_token_ids",
-           "make_backend"]
+__all__ = ["BACKENDS", "Completion", "GenerationBackend", "GenerationRequest", "SamplingParams", "check_backend",
+           "end_token_ids", "make_backend"]
 
 BACKENDS = ("hf", "vllm", "random")
 
@@ -66,3 +66,17 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, model=Non
                        gpu_memory_utilization=rollout.gpu_memory_utilization, max_num_seqs=rollout.batch_size,
                        seed=rollout.sample_seed, trust_remote_code=model_config.trust_remote_code,
                        sleep_mode=model is not None)
+
+
+def check_backend(model_config: ModelConfig, rollout: RolloutConfig) -> None:
+    """Refuse, before anything is loaded or written, what would stop `make_backend` later: for
+    vllm, vLLM missing, no device it runs on, an architecture it lacks, or memory the machine does
+    not have (`stages.agent.backends.vllm.plan_engine`). Stages that open their backend late (ppo,
+    pipeline) call it first."""
+    if rollout.backend != "vllm":
+        return
+    from stages.agent.backends.vllm import plan_engine
+    from stages.common.models import resolve_model
+
+    plan_engine(resolve_model(model_config.name), model_config.dtype, rollout.kv_cache_gb,
+                rollout.gpu_memory_utilization, rollout.batch_size, model_config.trust_remote_code)

@@ -15,8 +15,8 @@ engine; the tests run vLLM in processes of their own.
 Memory. On a GPU, ``rollout.gpu_memory_utilization`` is vLLM's share of the GPU (weights, activations
 and KV cache). On a CPU, vLLM reads the same setting as a share of all RAM minus what the process
 already holds, which fails as soon as the process holds a trainer; instead the KV cache gets
-``rollout.kv_cache_gb`` GiB, or, when that is null, what ``rollout.batch_size`` sequences of the
-longest context need, at most a quarter of the memory free at start (`kv_cache_budget`).
+``rollout.kv_cache_gb`` GiB, or, when that is null, what ``rollout.batch_size`` conversations of
+4096 tokens need, at most a quarter of the memory free at start (`kv_cache_budget`).
 A budget the machine does not have is refused before the engine starts.
 
 Sampling. Log-probs are those of the distribution sampled from (``logprobs_mode=
@@ -58,6 +58,9 @@ WORKER_EXTENSION = "stages.agent.backends.vllm_worker.WorkerExtension"
 GiB = 2**30
 #: The automatic CPU KV cache takes at most this share of the memory free when the engine starts.
 AUTO_KV_SHARE = 0.25
+#: Tokens of a long game conversation (5 turns of up to 400 new tokens, with the prompts and states):
+#: the automatic CPU KV cache holds this many per sequence of a full batch, when memory allows.
+CONVERSATION = 4096
 #: Fewer tokens of KV cache than this cannot hold one game's conversation.
 MIN_CONTEXT = 1024
 #: vLLM's CPU kernels are used as they are: compiling them takes ~75 s more at every start.
@@ -142,7 +145,7 @@ def kv_cache_budget(model_path: str, device: str, dtype, kv_cache_gb: float | No
                             f"{wanted / GiB:.1f} GiB but {free / GiB:.1f} GiB of the GPU are free; lower it")
         return EngineMemory(None, longest, gpu_memory_utilization)
     else:
-        budget = min(max_num_seqs * longest * per_token, int(AUTO_KV_SHARE * free))
+        budget = min(max_num_seqs * min(longest, CONVERSATION) * per_token, int(AUTO_KV_SHARE * free))
     tokens = budget // per_token
     if tokens < MIN_CONTEXT:
         raise UserError(f"vLLM's KV cache of {budget / GiB:.2f} GiB holds {tokens} tokens of this model, fewer "
@@ -167,6 +170,23 @@ def _total_bytes(device: str) -> int:
     return torch.cuda.mem_get_info()[1]
 
 
+def plan_engine(model_path: str, dtype: str = "auto", kv_cache_gb: float | None = None,
+                gpu_memory_utilization: float = 0.6, max_num_seqs: int = 64, trust_remote_code: bool = False):
+    """Every check that can be made before vLLM starts (installed, a device, the architecture, the
+    memory); returns (device, torch dtype, `EngineMemory`). A problem is a one-line UserError."""
+    from stages.common.models import pick_dtype
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported: its warnings
+    # are advice for servers (preloaded allocators) and one per torch.set_num_threads it blocks
+    import_vllm()
+    device = platform_device()
+    torch_dtype = pick_dtype(dtype, device)  # "auto": bf16 on a GPU, fp32 on a CPU, as the hf backend
+    check_architecture(model_path, trust_remote_code)
+    memory = kv_cache_budget(model_path, device, torch_dtype, kv_cache_gb, gpu_memory_utilization, max_num_seqs,
+                             trust_remote_code)
+    return device, torch_dtype, memory
+
+
 class VLLMBackend:
     name = "vllm"
     model = None  # no Hugging Face model in this process
@@ -174,19 +194,12 @@ class VLLMBackend:
     def __init__(self, model_path: str, tokenizer=None, *, dtype: str = "auto", kv_cache_gb: float | None = None,
                  gpu_memory_utilization: float = 0.6, max_num_seqs: int = 64, seed: int = 0,
                  trust_remote_code: bool = False, sleep_mode: bool = False):
-        from stages.common.models import pick_dtype
-
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when the engine starts
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported: its warnings
-        # are advice for servers (preloaded allocators) and one per torch.set_num_threads it blocks
-        vllm = import_vllm()
+        device, torch_dtype, memory = plan_engine(model_path, dtype, kv_cache_gb, gpu_memory_utilization,
+                                                  max_num_seqs, trust_remote_code)
+        import vllm
         from vllm.platforms import current_platform
 
-        device = platform_device()
-        torch_dtype = pick_dtype(dtype, device)  # "auto": bf16 on a GPU, fp32 on a CPU, as the hf backend
-        check_architecture(model_path, trust_remote_code)
-        memory = kv_cache_budget(model_path, device, torch_dtype, kv_cache_gb, gpu_memory_utilization,
-                                 max_num_seqs, trust_remote_code)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when the engine starts
         self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         self.sleep_mode = sleep_mode and current_platform.is_sleep_mode_available()
         self.asleep = False
@@ -203,14 +216,16 @@ class VLLMBackend:
         with self._callers_rng():
             try:
                 self.llm = vllm.LLM(**kwargs)
-                # One token through the model: some unsupported shapes (e.g. a head size the CPU
-                # kernels lack) fail only at the first forward.
+                # One token through the model: some shapes (e.g. a head size the CPU kernels lack)
+                # fail only at the first forward.
                 self.llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=[0])],
                                   vllm.SamplingParams(max_tokens=1), use_tqdm=False)
             except (ValueError, RuntimeError, OSError) as err:  # an unloadable model, too little memory
-                raise UserError(f"vLLM could not start on {model_path}: {_first_line(err)}; "
+                self.close()
+                raise UserError(f"vLLM could not run {model_path}: {_first_line(err)}; "
                                 "use rollout.backend=hf") from None
         self.device = device
+        self.memory = memory
         self.max_model_len = memory.max_model_len
         self.tokenizer = tokenizer if tokenizer is not None else self.llm.get_tokenizer()
         self.eos_ids = sorted(end_token_ids(None, self.tokenizer))
@@ -273,10 +288,9 @@ class VLLMBackend:
     def close(self) -> None:
         """Shut the engine down and give its memory back (vLLM's engine core also undoes the
         garbage collector freeze it made at start, so that what it held can be collected)."""
-        llm = getattr(self, "llm", None)
-        if llm is None:
+        if getattr(self, "llm", None) is None:
             return
-        llm.llm_engine.engine_core.shutdown()
+        self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         import gc
 
