@@ -9,7 +9,10 @@ mini-batch, GAE with the critic) runs for `--steps` steps; the first step pays o
 phase: a forward and backward pass of the actor AND of the critic, plus both optimizer steps. It
 compares with `spa sft`'s tokens/s (one forward and backward of one model) after dividing by two.
 Both precisions are measured by default: float32, and bfloat16 (fp32 weights under bf16
-autocast, rollouts included). Prints one JSON object.
+autocast, rollouts included), with the hf backend's rollouts; where vLLM is installed, also
+float32 with vLLM's (``rollout.backend=vllm``: the engine starts with the run and its start-up is
+not in any phase; the update phase includes pushing the new weights into it). ``--runs`` picks
+others. Runs share one process, vLLM's last (it changes process-wide state). Prints one JSON object.
 """
 
 import argparse
@@ -25,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PHASES = ("rollout", "old_logprobs", "values", "update")
 
 
-def measure(args: argparse.Namespace, dtype: str) -> dict:
-    """Run `spa ppo` for `args.steps` steps in `dtype`; the medians over all steps but the first."""
+def measure(args: argparse.Namespace, dtype: str, backend: str) -> dict:
+    """Run `spa ppo` for `args.steps` steps in `dtype` with `backend`'s rollouts; the medians over
+    all steps but the first."""
     from stages import ppo
     from stages.common.config import load_config
 
@@ -38,7 +42,7 @@ def measure(args: argparse.Namespace, dtype: str) -> dict:
             "quiet=true", f"rollout.groups={args.groups}", f"rollout.group_size={args.group_size}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_turns={args.max_turns}",
             f"ppo.steps={args.steps}", "ppo.filter_ratio=1.0", f"ppo.mini_batch={episodes}",
-            "ppo.val_every=0", f"ppo.save_every={args.steps + 1}",
+            "ppo.val_every=0", f"ppo.save_every={args.steps + 1}", f"rollout.backend={backend}",
         ])
         start = time.perf_counter()
         ppo.run(config)
@@ -66,10 +70,15 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-turns", type=int, default=2)
-    parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"),
-                        help="model.dtype to measure (repeatable; default both; bfloat16 trains fp32 weights "
-                             "under bf16 autocast)")
+    parser.add_argument("--runs", default=None,
+                        help="comma-separated backend:dtype pairs (default hf:float32,hf:bfloat16, and vllm:float32 "
+                             "where vLLM is installed; bfloat16 trains fp32 weights under bf16 autocast)")
     args = parser.parse_args()
+    import importlib.util
+
+    default = "hf:float32,hf:bfloat16" + (",vllm:float32" if importlib.util.find_spec("vllm") else "")
+    runs = [run.split(":") for run in (args.runs or default).split(",")]
+    runs.sort(key=lambda run: run[0] == "vllm")  # vLLM last: it changes process-wide state
 
     import torch
 
@@ -78,8 +87,8 @@ def main() -> None:
         "steps": args.steps, "episodes_per_step": args.groups * args.group_size, "max_turns": args.max_turns,
         "max_new_tokens": args.max_new_tokens,
     }
-    for dtype in args.dtype or ["float32", "bfloat16"]:
-        result[dtype] = measure(args, dtype)
+    for backend, dtype in runs:
+        result[dtype if backend == "hf" else f"{dtype}_{backend}"] = measure(args, dtype, backend)
     print(json.dumps(result))
 
 

