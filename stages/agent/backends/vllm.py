@@ -63,6 +63,8 @@ AUTO_KV_SHARE = 0.25
 CONVERSATION = 4096
 #: Fewer tokens of KV cache than this cannot hold one game's conversation.
 MIN_CONTEXT = 1024
+#: Tokens of a KV-cache block on a CPU (vLLM's CPU default; 16 on a GPU): the cache holds whole blocks.
+KV_BLOCK = 128
 #: vLLM's CPU kernels are used as they are: compiling them takes ~75 s more at every start.
 CPU_ENFORCE_EAGER = True
 
@@ -146,9 +148,9 @@ def kv_cache_budget(model_path: str, device: str, dtype, kv_cache_gb: float | No
         return EngineMemory(None, longest, gpu_memory_utilization)
     else:
         budget = min(max_num_seqs * min(longest, CONVERSATION) * per_token, int(AUTO_KV_SHARE * free))
-    tokens = budget // per_token
+    tokens = (budget // per_token // KV_BLOCK - 2) * KV_BLOCK  # whole blocks, with vLLM's rounding to spare
     if tokens < MIN_CONTEXT:
-        raise UserError(f"vLLM's KV cache of {budget / GiB:.2f} GiB holds {tokens} tokens of this model, fewer "
+        raise UserError(f"vLLM's KV cache of {budget / GiB:.2f} GiB holds {max(tokens, 0)} tokens of this model, fewer "
                         f"than a game's conversation needs ({MIN_CONTEXT}); raise rollout.kv_cache_gb, free "
                         "memory, or use rollout.backend=hf")
     return EngineMemory(budget, min(longest, tokens), gpu_memory_utilization)
