@@ -85,12 +85,13 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     backend = (NaiveGenerateBackend(model, tokenizer) if variant == "naive"
                else HFBackend(model, tokenizer, batch_size=config.rollout.batch_size))
     warmup = load_config(None, [f"env.name={args.env}", "rollout.max_turns=1", "rollout.max_new_tokens=4"])
-    play(warmup.env, warmup.rollout, backend, [0], 1)  # one-off costs (kernel selection, vocabulary scan)
+    modes = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
+    play(warmup.env, warmup.rollout, backend, [0], 1, **modes)  # one-off costs (kernel selection, vocabulary scan)
     if isinstance(backend, HFBackend):
         backend.reset()  # nothing cached from the warm-up
     seeds = range(config.rollout.seed, config.rollout.seed + args.groups)
     start = time.perf_counter()
-    episodes = play(config.env, config.rollout, backend, seeds, args.group_size)
+    episodes = play(config.env, config.rollout, backend, seeds, args.group_size, **modes)
     seconds = time.perf_counter() - start
     generated = sum(sum(e.response_mask) for e in episodes)  # sampled tokens
     result = {"seconds": round(seconds, 2), "episodes": len(episodes), "turns": sum(len(e.turns) for e in episodes),

@@ -23,5 +23,5 @@ def run(config: SPAConfig, backend: Any = None) -> dict:
     notebook's or a test's) replaces the one `rollout.backend` would open."""
     if backend is None:
         check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
-        backend = make_backend(config.model, config.rollout)
+        backend = make_backend(config.model, config.rollout, prompt_mode=config.eval.prompt_mode)
     return evaluate(config, backend)
