@@ -312,7 +312,7 @@ def envs() -> None:
 
     import envs as registry
 
-    table = Table("name", "gymnasium id", "settings", "actions / turn budget", "what")
+    table = Table("name", "gymnasium id", "settings", "actions / turn budget", "prompt / render modes", "what")
     for name in registry.names():
         spec = registry.spec(name)
         try:
@@ -321,8 +321,9 @@ def envs() -> None:
             game = spec.load_class()
         settings = ", ".join(f"{k}={v}" for k, v in spec.kwargs.items())
         actions = _moves(game)
+        modes = f"{', '.join(registry.prompt_modes(game))} / {', '.join(registry.render_modes(game))}"
         table.add_row(name, spec.gym_id, settings, f"{actions or 'free-form'} / {game.max_actions_per_traj}",
-                      spec.summary)
+                      modes, spec.summary)
     console.print(table)
 
 
