@@ -25,6 +25,9 @@ pipeline"). The built-in arms (reference notes §7.3, §7.5):
 "As PPO": an arm is evaluated with the prompt and render mode it was trained with, as the paper
 validates its RL runs; everything else about the eval (puzzles, samples, temperature, tokens,
 turns) is the same for every arm, so the paired differences of the table are over the same puzzles.
+A built-in arm pins what defines it (the prompt and render modes in this table, VAGEN's state
+reward and its absence elsewhere, the ablation's own setting); every other setting comes from the
+config's sections (`sft.epochs`, `ppo.steps`, ...), the same for every arm.
 The self-play data is played by the arm's starting model (`pipeline.data_policy: model`, the
 paper), or by random actions (`random`, the bootstrap for a model too weak to write the format, in
 which case spa's data is RandSFT data). A mapping defines an arm from a built-in one (`like`) with
@@ -128,32 +131,40 @@ class Arm:
 
 
 _SELF_PLAY = {"generate": "selfplay", "clean": "selfplay", "sft": "spa"}
+# What defines each built-in arm, pinned whatever the config's sections say: what the model is
+# shown in each stage, and whether RL rewards states (the table above).
+_SELF_PLAY_DATA = {"generate.prompt_mode": "world_model", "generate.render_mode": "coords"}
+_STATE_ESTIMATION_RL = {"ppo.prompt_mode": "base", "ppo.render_mode": "coords", "ppo.state_reward": "none"}
+_SPA = {**_SELF_PLAY_DATA, **_STATE_ESTIMATION_RL}
 
 #: The built-in arms, in the order their stages are planned (so that shared stages keep their ids).
 BUILT_IN = {arm.name: arm for arm in [
-    Arm("base", "base model", set={"eval.render_mode": "text"}),
-    Arm("state_estimation", "+ State Estimation", set={"eval.render_mode": "coords"}),
-    Arm("vanilla_rl", "+ Vanilla RL", ppo=True, set={"ppo.render_mode": "text"}),
-    Arm("state_estimation_rl", "+ State Estimation RL", ppo=True, set={"ppo.render_mode": "coords"}),
-    Arm("vagen", "+ VAGEN", ppo=True, set={"ppo.prompt_mode": "world_model", "ppo.state_reward": "cells"}),
-    Arm("spa_sft", "+ SPA SFT", sft=True, ids=_SELF_PLAY),
-    Arm("spa", "+ SPA", sft=True, ppo=True, ids=_SELF_PLAY),
-    Arm("spa_masked", "SPA, masked states (Fig. 4)", sft=True, ppo=True, set={"sft.state_text": "masked"},
+    Arm("base", "base model", set={"eval.prompt_mode": "base", "eval.render_mode": "text"}),
+    Arm("state_estimation", "+ State Estimation", set={"eval.prompt_mode": "base", "eval.render_mode": "coords"}),
+    Arm("vanilla_rl", "+ Vanilla RL", ppo=True, set={**_STATE_ESTIMATION_RL, "ppo.render_mode": "text"}),
+    Arm("state_estimation_rl", "+ State Estimation RL", ppo=True, set=_STATE_ESTIMATION_RL),
+    Arm("vagen", "+ VAGEN", ppo=True,
+        set={"ppo.prompt_mode": "world_model", "ppo.render_mode": "coords", "ppo.state_reward": "cells"}),
+    Arm("spa_sft", "+ SPA SFT", sft=True, ids=_SELF_PLAY,
+        set={**_SELF_PLAY_DATA, "eval.prompt_mode": "base", "eval.render_mode": "coords"}),
+    Arm("spa", "+ SPA", sft=True, ppo=True, ids=_SELF_PLAY, set=_SPA),
+    Arm("spa_masked", "SPA, masked states (Fig. 4)", sft=True, ppo=True, set={**_SPA, "sft.state_text": "masked"},
         ids={**_SELF_PLAY, "sft": "spa_masked"}),
     Arm("spa_random_coordinates", "SPA, random coordinates (Fig. 5)", sft=True, ppo=True,
-        set={"clean.random_coordinates": True},
+        set={**_SPA, "clean.random_coordinates": True},
         ids={"generate": "selfplay", "clean": "selfplay_random_coordinates", "sft": "spa_random_coordinates"}),
     Arm("spa_no_state_estimation", "SPA without State Estimation (Table 4)", sft=True, ppo=True,
-        set={"generate.render_mode": "text", "ppo.render_mode": "text"},
+        set={**_SPA, "generate.render_mode": "text", "ppo.render_mode": "text"},
         ids={"generate": "selfplay_text", "clean": "selfplay_text", "sft": "spa_no_state_estimation"}),
     Arm("spa_self_belief", "SPA, self-belief states (Table 3)", sft=True, ppo=True,
-        set={"clean.states": "self_belief"},
+        set={**_SPA, "clean.states": "self_belief"},
         ids={"generate": "selfplay", "clean": "selfplay_self_belief", "sft": "spa_self_belief"}),
-    Arm("rand_sft", "RandSFT (Table 5)", sft=True, ppo=True, data_policy="random",
+    Arm("rand_sft", "RandSFT (Table 5)", sft=True, ppo=True, data_policy="random", set=_SPA,
         ids={"generate": "random", "clean": "random", "sft": "rand_sft"}),
-    Arm("spa_sft_1_epoch", "SPA, 1-epoch SFT (Table 5)", sft=True, ppo=True, set={"sft.epochs": 1},
+    Arm("spa_sft_1_epoch", "SPA, 1-epoch SFT (Table 5)", sft=True, ppo=True, set={**_SPA, "sft.epochs": 1},
         ids={**_SELF_PLAY, "sft": "spa_sft_1_epoch"}),
-    Arm("spa_unfiltered", "SPA, unfiltered data (Fig. 8)", sft=True, ppo=True, set={"clean.filter_format": False},
+    Arm("spa_unfiltered", "SPA, unfiltered data (Fig. 8)", sft=True, ppo=True,
+        set={**_SPA, "clean.filter_format": False},
         ids={"generate": "selfplay", "clean": "selfplay_unfiltered", "sft": "spa_unfiltered"}),
 ]}
 
@@ -196,6 +207,8 @@ def _variant(entry: dict[str, Any], where: str) -> Arm:
     if name in BUILT_IN:
         raise UserError(f"{where}: {name!r} is a built-in arm; give the variant another name")
     like = entry.get("like", "")
+    if not isinstance(like, str):
+        raise UserError(f"{where}.like must name a built-in arm, got {like!r}")
     arm = built_in(like, f"{where}.like") if like else Arm(name)
     # A variant's stages are named after it, except those equal to its built-in arm's (`plan`).
     arm.name, arm.label, arm.like, arm.ids = name, name, like, {}

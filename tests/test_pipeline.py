@@ -124,6 +124,15 @@ def test_every_built_in_arm_resolves_to_the_papers_settings():
         "1000 steps of 32 x 8 episodes, state reward cells (0.5/0.5)")
 
 
+def test_built_in_arms_pin_what_defines_them():
+    """Config sections give every other setting; they cannot turn SPA into another arm."""
+    the_plan = plan_of(*pipeline.BUILT_IN, sets=["ppo.render_mode=text", "ppo.state_reward=exact",
+                                                 "generate.prompt_mode=base", "eval.render_mode=text",
+                                                 "ppo.steps=7"])
+    assert all(chain(the_plan, arm) == EXPECTED[arm] for arm in pipeline.BUILT_IN)
+    assert {s.config.ppo.steps for s in the_plan.stages if s.kind == "ppo"} == {7}
+
+
 def test_the_default_arms_are_table_2_and_its_step_0_rows():
     assert load_config(None, []).pipeline.arms == list(PAPER_ARMS)
     the_plan = pipeline.plan(load_config(None, ["pipeline.dir=/nonexistent/run"]))
