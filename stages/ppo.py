@@ -458,9 +458,9 @@ def _announce(config: SPAConfig, models: Models, step: int, resumed: bool, conso
     ppo, rollout = config.ppo, config.rollout
     engine = f"ZeRO-{ppo.zero_stage}" if ppo.zero_stage else "plain torch"
     where = f"resuming after step {step}" if resumed else "from the start"
-    console.say(f"ppo: {config.model.name} on {config.env.name}, {ppo.steps} steps of {rollout.groups}x"
-                f"{rollout.group_size} episodes ({ppo.advantage}, loss mask {ppo.loss_mask}), {rollout.backend} "
-                f"rollouts, {engine} on {models.dist.device}; {where}")
+    console.say(f"ppo: {config.model.name} on {config.env.name} ({ppo.prompt_mode} prompt, {ppo.render_mode} "
+                f"states), {ppo.steps} steps of {rollout.groups}x{rollout.group_size} episodes ({ppo.advantage}, "
+                f"loss mask {ppo.loss_mask}), {rollout.backend} rollouts, {engine} on {models.dist.device}; {where}")
 
 
 def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:
