@@ -107,7 +107,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
         "dropped_rows": dict(result.dropped_rows),
         "untrained_turns": result.untrained_turns,
     }
-    artifacts.write_manifest(out, {**artifacts.manifest("clean", to_dict(config), {"data": options.data}),
+    inputs = {"data": data, **({"val_data": spa_val} if spa_val is not None else {})}  # a hub id's files
+    artifacts.write_manifest(out, {**artifacts.manifest("clean", to_dict(config), inputs),
                                    "summary": summary})
     print_summary(summary, Console(config.quiet))
     return summary

@@ -101,6 +101,8 @@ def test_spa_clean_filters_dedups_and_splits_them_by_puzzle(spa_files, tmp_path)
             for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
     assert sorted(rows) == ["wm_train-0", "wm_train-1", "wm_val-0"]
     assert rows["wm_train-1"]["messages"][-1] == {"role": "assistant", "content": ANSWER_2, "train": True}
+    inputs = json.loads((tmp_path / "sft.jsonl.manifest.json").read_text())["inputs"]
+    assert (inputs["data"]["path"], inputs["val_data"]["path"]) == (str(train), str(train.with_name("wm_val.parquet")))
     with pytest.raises(UserError, match="clean.random_coordinates needs trajectories from `spa generate`"):
         clean.run(load_config(None, [f"clean.data={train}", f"clean.out={tmp_path / 'x.jsonl'}",
                                      "clean.random_coordinates=true"]))
