@@ -53,13 +53,14 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 # The whole recipe on the bundled model (configs/demo.yaml): RandSFT data, clean, SFT, PPO, and the
-# eval of base, SFT and SFT+PPO models; the table is runs/demo/table.md. Reruns skip what is done.
+# eval of the arms base, spa_sft and spa; the table is runs/demo/table.md. Reruns skip what is done.
 demo: install
 	$(BIN)/spa pipeline --config configs/demo.yaml
 
-# A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): base vs vanilla PPO vs
-# SPA on Sokoban and FrozenLake, 128 eval puzzles x 8 samples. About 3 hours on 2 cores: run it in
-# the background (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
+# A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): the arms of its Table 2
+# (base, state_estimation, vanilla_rl, state_estimation_rl, vagen, spa_sft, spa) on Sokoban and
+# FrozenLake, 128 eval puzzles x 8 samples. Hours on 2 cores: run it in the background
+# (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
 repro-cpu: install
 	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml

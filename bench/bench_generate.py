@@ -97,15 +97,16 @@ def child(variant: str, args: argparse.Namespace) -> dict:
         model, tokenizer = load_model(config.model)
         backend = NaiveGenerateBackend(model, tokenizer)
     else:
-        backend = make_backend(config.model, config.rollout)
+        backend = make_backend(config.model, config.rollout, prompt_mode=modes["prompt_mode"])
     startup = time.perf_counter() - start
     warmup = load_config(None, [f"env.name={args.env}", "rollout.max_turns=1", "rollout.max_new_tokens=4"])
-    play(warmup.env, warmup.rollout, backend, [0], 1)  # one-off costs (kernel selection, vocabulary scan)
+    modes = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
+    play(warmup.env, warmup.rollout, backend, [0], 1, **modes)  # one-off costs (kernel selection, vocabulary scan)
     if hasattr(backend, "reset"):
         backend.reset()  # nothing cached from the warm-up
     seeds = range(config.rollout.seed, config.rollout.seed + groups)
     start = time.perf_counter()
-    played = play(config.env, config.rollout, backend, seeds, args.group_size)
+    played = play(config.env, config.rollout, backend, seeds, args.group_size, **modes)
     seconds = time.perf_counter() - start
     generated = sum(sum(e.response_mask) for e in played)  # sampled tokens
     result = {"seconds": round(seconds, 2), "episodes": len(played), "turns": sum(len(e.turns) for e in played),

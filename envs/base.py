@@ -11,6 +11,14 @@ A game is a `gymnasium.Env` whose observations and actions are strings:
 
 Each game also carries what a prompt needs (action names, symbol legend, instruction texts), so
 the prompt code builds from the env instead of hard-coding one game.
+
+Modes. A game says which it supports: render modes in gymnasium's ``metadata["render_modes"]``
+("coords": the grid plus its coordinate line, SPA's text_with_coordinates; "text": the grid
+alone) and prompt modes in ``prompt_modes`` ("world_model": the agent writes `<observation>` and
+`<prediction>`; "base": think, then answer). A game without coordinates (Countdown, QA) renders
+"text" only; a game with no world-model prompt has no states for the agent to write. Its
+instruction may depend on the render mode (`instruction`): a text that promises coordinates is
+only shown when they are rendered.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ class TextGameEnv(gymnasium.Env):
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": list(RENDER_MODES)}
+    #: The prompt modes this game has instructions for.
+    prompt_modes: ClassVar[tuple[str, ...]] = PROMPT_MODES
 
     #: Registry name, e.g. "sokoban".
     name: ClassVar[str] = ""
@@ -50,14 +60,18 @@ class TextGameEnv(gymnasium.Env):
     move_format: ClassVar[str] = ""
     #: Grid symbol -> meaning, shown to the model as a legend; None when the game has none.
     legend: ClassVar[dict[str, str] | None] = None
-    #: Instruction texts quoted from the SPA configs, one per prompt mode.
+    #: Instruction texts quoted from the SPA configs, one per prompt mode, for the "coords" render.
     instructions: ClassVar[dict[str, str]] = {}
+    #: The same for the "text" render (no coordinate shown, so none promised); None: `instructions`.
+    text_instructions: ClassVar[dict[str, str] | None] = None
     #: The agent loop's budget of primitive actions per episode (SPA's max_actions_per_traj).
     max_actions_per_traj: ClassVar[int] = 10
 
     def __init__(self, render_mode: str = "coords"):
-        if render_mode not in RENDER_MODES:
-            raise EnvError(f"render_mode must be one of {', '.join(RENDER_MODES)}, got {render_mode!r}")
+        supported = render_modes(type(self))
+        if render_mode not in supported:
+            raise EnvError(f"{self.name or type(self).__name__} has no render mode {render_mode!r}; "
+                           f"its render modes: {', '.join(supported)}")
         self.render_mode = render_mode
         self.observation_space = spaces.Text(max_length=4096, charset=_CHARSET)
         self.action_space = spaces.Text(max_length=256, charset=_CHARSET)
@@ -90,9 +104,14 @@ class TextGameEnv(gymnasium.Env):
         return f"{grid}\n{line}" if line else grid
 
     def instruction(self, prompt_mode: str) -> str:
-        if prompt_mode not in PROMPT_MODES:
-            raise EnvError(f"prompt_mode must be one of {', '.join(PROMPT_MODES)}, got {prompt_mode!r}")
-        return self.instructions[prompt_mode]
+        """The instruction of `prompt_mode` for this env's render mode."""
+        if prompt_mode not in self.prompt_modes:
+            raise EnvError(f"{self.name} has no {prompt_mode!r} prompt; its prompt modes: "
+                           f"{', '.join(self.prompt_modes)}")
+        texts = self.instructions
+        if self.render_mode != "coords" and self.text_instructions is not None:
+            texts = self.text_instructions
+        return texts[prompt_mode]
 
     # ---- for subclasses ------------------------------------------------------------------
 
@@ -121,3 +140,15 @@ class TextGameEnv(gymnasium.Env):
     def coordinate_line(self) -> str:
         """The line render mode "coords" adds under the grid; "" for a game without one."""
         raise NotImplementedError
+
+
+def render_modes(game: Any) -> tuple[str, ...]:
+    """The render modes a game class (or instance) supports; a duck-typed game that does not say
+    supports both."""
+    return tuple(getattr(game, "metadata", {}).get("render_modes", RENDER_MODES))
+
+
+def prompt_modes(game: Any) -> tuple[str, ...]:
+    """The prompt modes a game class (or instance) supports; a duck-typed game that does not say
+    supports both."""
+    return tuple(getattr(game, "prompt_modes", PROMPT_MODES))

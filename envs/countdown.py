@@ -32,7 +32,7 @@ Answers
 
 State text
 ----------
-One line, the same in both render modes (there are no coordinates)::
+One line; there are no coordinates, so the only render mode is "text"::
 
     Target: 24; numbers: 3, 5, 8, 1
 
@@ -243,11 +243,13 @@ class CountdownEnv(TextGameEnv):
     action_names: ClassVar[None] = None
     move_format: ClassVar[str] = "one equation"
     legend: ClassVar[None] = None
+    # No coordinates: the state text is the same either way, so only "text" is offered.
+    metadata: ClassVar[dict] = {"render_modes": ["text"]}
     instructions: ClassVar[dict[str, str]] = INSTRUCTIONS
     max_actions_per_traj: ClassVar[int] = 1
 
     def __init__(self, count: int = 4, max_number: int = 20, max_target: int = 100,
-                 render_mode: str = "coords"):
+                 render_mode: str = "text"):
         super().__init__(render_mode=render_mode)
         if count < 2:
             raise EnvError(f"Countdown count must be at least 2, got {count}")

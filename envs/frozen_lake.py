@@ -73,12 +73,27 @@ _WORLD_MODEL_INSTRUCTION = (
     "player now on G. <prediction>_O__\nO___\n√___\n____</prediction> </think> "
     "<answer> Up || Left || Left </answer>"
 )
+# Ours, for the grid without coordinates (SPA without State Estimation): SPA's text without the
+# coordinate sentences, the coordinate line of the sample and the positions in its reasoning.
+_WORLD_MODEL_INSTRUCTION_WITHOUT_COORDINATES = (
+    "You are solving the FrozenLake puzzle. You are the player and you need to Forbid the hole and go to "
+    "the target. You are provided with a symbol grid. When you are exactly next to goal, you can move in "
+    "the same direction. You cannot move to a hole cause you will fall into the hole. The answer should be "
+    "a sequence of actions, like <answer>Right || Right || Up</answer>. A sample full output is as "
+    "follows: <think> <observation>_O__\nO___\nG___\n__P_</observation> 1 Up - move to safe ice. 2 Left - "
+    "slide next to the goal. 3 Left - reach goal; player now on G. <prediction>_O__\nO___\n√___\n____"
+    "</prediction> </think> <answer> Up || Left || Left </answer>"
+)
 
 
 def build_instructions(size: int) -> dict[str, str]:
     """SPA's FrozenLake instruction texts, with the coordinate range fitted to a ``size`` board."""
     last = f"{size - 1}, {size - 1}"
     return {"base": _BASE_INSTRUCTION, "world_model": _WORLD_MODEL_INSTRUCTION.format(last=last)}
+
+
+#: For render mode "text": no coordinates shown, none promised (the base text never mentions them).
+TEXT_INSTRUCTIONS = {"base": _BASE_INSTRUCTION, "world_model": _WORLD_MODEL_INSTRUCTION_WITHOUT_COORDINATES}
 
 
 def reachable(holes: set[Cell], size: int, start: Cell, goal: Cell) -> bool:
@@ -118,6 +133,7 @@ class FrozenLakeEnv(TextGameEnv):
         "P": "player", "_": "empty", "O": "hole", "G": "goal", "X": "player in hole", "√": "player on goal",
     }
     instructions: ClassVar[dict[str, str]] = build_instructions(4)
+    text_instructions: ClassVar[dict[str, str]] = TEXT_INSTRUCTIONS
     max_actions_per_traj: ClassVar[int] = 10
 
     def __init__(self, size: int = 4, p: float = 0.8, is_slippery: bool = True, max_steps: int = 100,

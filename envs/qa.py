@@ -33,7 +33,7 @@ State text
 ----------
 ``Question: <question>``; after the answer, a line is added: ``Answer: <answer> (correct)`` or
 ``Answer: <answer> (wrong)``, which is what the world model's ``<prediction>`` has to foresee.
-There are no coordinates: both render modes give the same text.
+There are no coordinates, so the only render mode is "text".
 """
 
 from __future__ import annotations
@@ -182,10 +182,12 @@ class QAEnv(TextGameEnv):
     action_names: ClassVar[None] = None
     move_format: ClassVar[str] = "the final answer"
     legend: ClassVar[None] = None
+    # No coordinates: the state text is the same either way, so only "text" is offered.
+    metadata: ClassVar[dict] = {"render_modes": ["text"]}
     instructions: ClassVar[dict[str, str]] = INSTRUCTIONS
     max_actions_per_traj: ClassVar[int] = 1
 
-    def __init__(self, path: str | None = None, render_mode: str = "coords"):
+    def __init__(self, path: str | None = None, render_mode: str = "text"):
         super().__init__(render_mode=render_mode)
         if path is None:
             raise EnvError("the qa env needs a JSONL file of questions: option path "

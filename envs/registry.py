@@ -29,7 +29,7 @@ from typing import Any
 
 import gymnasium
 
-from envs.base import PROMPT_MODES, EnvError, TextGameEnv
+from envs.base import EnvError, TextGameEnv
 
 ENTRY_POINT_GROUP = "spa.envs"
 
@@ -173,7 +173,7 @@ def check_api(cls: type, label: str) -> None:
         if cls.action_names is None and cls.sample_action is TextGameEnv.sample_action:
             missing.append("sample_action (a game without action_names draws its own moves)")
         if cls.instruction is TextGameEnv.instruction:
-            missing += [f"instructions[{mode!r}]" for mode in PROMPT_MODES if mode not in cls.instructions]
+            missing += [f"instructions[{mode!r}]" for mode in cls.prompt_modes if mode not in cls.instructions]
     if missing:
         raise EnvError(f"env {label!r} does not follow the game API (see envs/base.py); it lacks: "
                        f"{', '.join(missing)}")

@@ -34,6 +34,18 @@ or ``Player on target (S) is at (r,c)``; (2) boxes off target, ``box (X) is at (
 ...`` / ``targets (O) are at ...``. Items that would be empty are left out; the rest are joined by
 ``"; "`` and end with ``"."``; positions within an item are in row-major order.
 
+Instructions
+------------
+SPA's two texts (``config/envs.yaml``): the world-model one explains the coordinates and shows a
+sample output; the released base one (``env_instruction``) mentions neither. The paper's App. A
+prints a different base prompt for Sokoban: the released text plus the two sentences that explain
+the coordinates. Which of the two produced the paper's numbers is not known; option
+``base_instruction`` chooses (``"paper"``, the default, or ``"released"``). The default is the
+paper's because the paper prints it as the base prompt of its Sokoban runs, because its PPO and
+eval show coordinates, which that prompt explains, and because the released env code never
+renders coordinates at all, so the released text was never seen with them in public code.
+With render mode ``"text"`` no text promises coordinates (`sokoban_instructions`).
+
 Other vocabularies (SPA's SokobanDifferentGridVocab and SokobanDifferentActionVocab)
 ------------------------------------------------------------------------------------
 ``symbols`` maps meanings (``wall``, ``empty``, ``target``, ``box on target``, ``box``, ``player``,
@@ -121,24 +133,36 @@ MAX_SEARCH_STATES = 20_000
 # that cannot or can hardly hold a puzzle; at 6x6 about one attempt in seven fails.
 MAX_ATTEMPTS = 1000
 
-_BASE_INSTRUCTION = (
-    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets "
-    "You are provided with a symbol grid. When you are exactly next to a box, you can push it by moving "
-    "in the same direction. You cannot push a box through a wall, and you cannot pull a box. The answer "
-    "should be a sequence of actions, like <answer>{right} || {right} || {up}</answer>."
-)
-# The "–" in the sample output is an en dash (U+2013), as in SPA's envs.yaml.
-_WORLD_MODEL_INSTRUCTION = (
-    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets "
+# SPA's instruction texts (config/envs.yaml), cut into the pieces they share. Released base prompt:
+# HEAD + GRID + RULES; world-model prompt: HEAD + GRID_AND_COORDINATES + RULES + SAMPLE. The typo
+# "targets You" is SPA's.
+_HEAD = "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets "
+_GRID = "You are provided with a symbol grid. "
+_GRID_AND_COORDINATES = (
     "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and "
     "each target. Coordinates range from the top-left corner (0, 0) to the bottom-right corner "
-    "({last_row}, {last_col}). When you are exactly next to a box, you can push it by moving in the same "
-    "direction. You cannot push a box through a wall, and you cannot pull a box. The answer should be a "
-    "sequence of actions, like <answer>{right} || {right} || {up}</answer>. A sample full output is as "
-    "follows: <think> <observation>{observation}</observation> 1 {down} \u2013 I push box to (4,2). "
-    "2 {left} \u2013 I step to (3,1). 3 {down} \u2013 I stand left of box, ready to push it {right} onto "
-    "target. <prediction>{prediction}</prediction> </think> <answer> {down} || {left} || {down} </answer>"
+    "({last_row}, {last_col}). "
 )
+_RULES = (
+    "When you are exactly next to a box, you can push it by moving in the same direction. You cannot push "
+    "a box through a wall, and you cannot pull a box. The answer should be a sequence of actions, like "
+    "<answer>{right} || {right} || {up}</answer>."
+)
+# The "–" in the sample output is an en dash (U+2013), as in SPA's envs.yaml.
+_SAMPLE = (
+    " A sample full output is as follows: <think> <observation>{observation}</observation> {steps} "
+    "<prediction>{prediction}</prediction> </think> <answer> {down} || {left} || {down} </answer>"
+)
+_SAMPLE_STEPS = ("1 {down} \u2013 I push box to (4,2). 2 {left} \u2013 I step to (3,1). 3 {down} \u2013 I stand "
+                 "left of box, ready to push it {right} onto target.")
+# Ours, for the grid without coordinates (SPA without State Estimation): the same steps, no positions.
+_SAMPLE_STEPS_WITHOUT_COORDINATES = (
+    "1 {down} \u2013 I push box down. 2 {left} \u2013 I step left. 3 {down} \u2013 I stand left of box, ready "
+    "to push it {right} onto target."
+)
+#: The base prompt: "paper" (App. A of the paper: the released text plus the two coordinate
+#: sentences of the world-model prompt) or "released" (SPA's config/envs.yaml env_instruction).
+BASE_INSTRUCTIONS = ("paper", "released")
 # SPA's sample: the room before and after Down, Left, Down, in SPA's symbols.
 _SAMPLE_OBSERVATION = "######\n#_####\n#_P###\n#_X#_#\n#__O_#\n######"
 _SAMPLE_PREDICTION = "######\n#_####\n#__###\n#__#_#\n#PXO_#\n######"
@@ -214,26 +238,41 @@ def _mapping_option(option: str, value: dict[str, str] | None) -> dict[str, str]
 
 
 def sokoban_instructions(height: int, width: int, symbols: GridSymbols = DEFAULT_SYMBOLS,
-                         action_names: tuple[str, ...] = ACTIONS) -> dict[str, str]:
-    """SPA's two instruction texts; the world-model one names the grid's bottom-right corner.
+                         action_names: tuple[str, ...] = ACTIONS, coordinates: bool = True,
+                         base: str = "paper") -> dict[str, str]:
+    """The instruction texts of both prompt modes for a room of this size, in this vocabulary.
 
-    The example answers use `action_names` and the sample output is rendered in `symbols`, so a
-    game with another vocabulary is described in its own terms.
+    With `coordinates` (render mode "coords"): the world-model text is SPA's, naming the room's
+    bottom-right corner, and the base text is the `base` variant: "paper", the base prompt of the
+    paper's App. A (the released text plus the sentences that explain the coordinates), or
+    "released", SPA's env_instruction, which does not mention them. Without coordinates (render
+    mode "text") no text promises coordinates: the base text is the released one (the paper's
+    coordinate sentences would describe a line that is not shown), and the world-model text
+    drops the coordinate sentences, the coordinate line of its sample observation and the
+    positions in its sample reasoning. The example answers use `action_names`; the sample output
+    is rendered in `symbols`.
     """
-    base, world_model = _instruction_texts(height, width, symbols, action_names)
-    return {"base": base, "world_model": world_model}
+    if base not in BASE_INSTRUCTIONS:
+        raise EnvError(f"Sokoban base_instruction must be one of {', '.join(BASE_INSTRUCTIONS)}, got {base!r}")
+    base_text, world_model = _instruction_texts(height, width, symbols, action_names, coordinates,
+                                                base == "paper")
+    return {"base": base_text, "world_model": world_model}
 
 
 @cache  # every reset asks again; rendering the sample would be a quarter of a 6x6 reset's time
-def _instruction_texts(height: int, width: int, symbols: GridSymbols,
-                       action_names: tuple[str, ...]) -> tuple[str, str]:
+def _instruction_texts(height: int, width: int, symbols: GridSymbols, action_names: tuple[str, ...],
+                       coordinates: bool, paper_base: bool) -> tuple[str, str]:
     names = dict(zip(("up", "down", "left", "right"), action_names))
     before, after = parse_grid(_SAMPLE_OBSERVATION), parse_grid(_SAMPLE_PREDICTION)
-    observation = f"{grid_text(before, symbols)}\n{coordinate_text(before, symbols)}"
-    world_model = _WORLD_MODEL_INSTRUCTION.format(last_row=height - 1, last_col=width - 1,
-                                                  observation=observation,
-                                                  prediction=grid_text(after, symbols), **names)
-    return _BASE_INSTRUCTION.format(**names), world_model
+    grid = _GRID_AND_COORDINATES.format(last_row=height - 1, last_col=width - 1) if coordinates else _GRID
+    observation = grid_text(before, symbols)
+    if coordinates:
+        observation += f"\n{coordinate_text(before, symbols)}"
+    steps = (_SAMPLE_STEPS if coordinates else _SAMPLE_STEPS_WITHOUT_COORDINATES).format(**names)
+    rules = _RULES.format(**names)
+    sample = _SAMPLE.format(observation=observation, steps=steps, prediction=grid_text(after, symbols), **names)
+    base = _HEAD + (grid if paper_base else _GRID) + rules
+    return base, _HEAD + grid + rules + sample
 
 
 # ---- the room ------------------------------------------------------------------------------
@@ -499,12 +538,17 @@ class SokobanEnv(TextGameEnv):
     legend: ClassVar[dict[str, str]] = DEFAULT_SYMBOLS.legend()
     # Per instance: the world-model text names the room's bottom-right corner (5, 5 at 6x6).
     instructions: ClassVar[dict[str, str]] = sokoban_instructions(6, 6)
+    text_instructions: ClassVar[dict[str, str]] = sokoban_instructions(6, 6, coordinates=False)
     max_actions_per_traj: ClassVar[int] = 10
 
     def __init__(self, dim: int = 6, num_boxes: int = 1, max_steps: int = 100, search_depth: int = 300,
                  render_mode: str = "coords", symbols: dict[str, str] | None = None,
-                 actions: dict[str, str] | None = None):
+                 actions: dict[str, str] | None = None, base_instruction: str = "paper"):
         super().__init__(render_mode=render_mode)
+        if base_instruction not in BASE_INSTRUCTIONS:
+            raise EnvError(f"Sokoban base_instruction must be one of {', '.join(BASE_INSTRUCTIONS)}, "
+                           f"got {base_instruction!r}")
+        self.base_instruction = base_instruction
         if dim < 5:  # a pull needs three floor cells in a row inside the wall ring
             raise EnvError(f"Sokoban dim must be at least 5, got {dim}")
         if num_boxes < 1:
@@ -541,8 +585,11 @@ class SokobanEnv(TextGameEnv):
         self._describe(self.room.height, self.room.width)
 
     def _describe(self, height: int, width: int) -> None:
-        """The instruction texts for a room of this size in this env's vocabulary."""
-        self.instructions = sokoban_instructions(height, width, self.symbols, self.action_names)
+        """The instruction texts for a room of this size in this env's vocabulary, per render mode."""
+        self.instructions = sokoban_instructions(height, width, self.symbols, self.action_names,
+                                                 base=self.base_instruction)
+        self.text_instructions = sokoban_instructions(height, width, self.symbols, self.action_names,
+                                                      coordinates=False)
 
     # ---- TextGameEnv hooks ---------------------------------------------------------------
 

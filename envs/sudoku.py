@@ -79,6 +79,13 @@ INSTRUCTIONS = {
     "Empty positions to be filled are at (4,1)</prediction> </think> <answer> 1,1,2 || 1,2,3 || 2,3,2 || "
     "3,3,3 || 3,4,1 </answer>.",
 }
+#: For render mode "text" (ours): the sample states without their "Empty positions" lines.
+TEXT_INSTRUCTIONS = {
+    "base": INSTRUCTIONS["base"],
+    "world_model": _SHARED_INSTRUCTION + " Keep the response under 100 words. An example output: <think> "
+    "<observation>| . . 1 4 | 1 4 . 3 | 4 2 . . | . 1 4 2 </observation> <prediction>| 2 3 1 4 | 1 4 2 3 | "
+    "4 2 3 1 | . 1 4 2</prediction> </think> <answer> 1,1,2 || 1,2,3 || 2,3,2 || 3,3,3 || 3,4,1 </answer>.",
+}
 
 
 # ---- rules -------------------------------------------------------------------------------
@@ -164,6 +171,7 @@ class SudokuEnv(TextGameEnv):
     move_format: ClassVar[str] = "r,c,v (1-indexed)"
     legend: ClassVar[None] = None
     instructions: ClassVar[dict[str, str]] = INSTRUCTIONS
+    text_instructions: ClassVar[dict[str, str]] = TEXT_INSTRUCTIONS
     max_actions_per_traj: ClassVar[int] = 50
 
     def __init__(self, difficulty: str = "easy", max_steps: int = 30, render_mode: str = "coords",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -79,6 +80,8 @@ EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help="Game name (see 
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="smollm2-135m, a model directory, or a hub id.")]
 BackendOpt = Annotated[str | None, typer.Option("--backend", "-b", help="hf | vllm | random.")]
 OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Output path.")]
+PromptModeOpt = Annotated[str | None, typer.Option(help="world_model | base: the prompt the agent is shown.")]
+RenderModeOpt = Annotated[str | None, typer.Option(help="coords | text: states with or without coordinates.")]
 
 
 #: OSErrors that a path or the machine's state causes, not a bug, and what to do about each.
@@ -145,7 +148,7 @@ def generate(
     groups: Annotated[int | None, typer.Option(help="Puzzles (seed groups).")] = None,
     group_size: Annotated[int | None, typer.Option(help="Episodes per puzzle.")] = None,
     seed: Annotated[int | None, typer.Option(help="First seed.")] = None,
-    prompt_mode: Annotated[str | None, typer.Option(help="world_model | base.")] = None,
+    prompt_mode: PromptModeOpt = None, render_mode: RenderModeOpt = None,
     out: OutOpt = None, resume: ResumeOpt = None,
 ) -> None:
     """Self-play rollouts: play the game with a policy and write trajectories.jsonl."""
@@ -153,7 +156,8 @@ def generate(
 
     cfg = _load(config, set_, quiet, env__name=env, model__name=model, rollout__backend=backend,
                 rollout__groups=groups, rollout__group_size=group_size, rollout__seed=seed,
-                rollout__prompt_mode=prompt_mode, generate__out=out, generate__resume=resume)
+                generate__prompt_mode=prompt_mode, generate__render_mode=render_mode, generate__out=out,
+                generate__resume=resume)
     stage.run(cfg)
 
 
@@ -161,7 +165,8 @@ def generate(
 @user_errors
 def clean(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[str | None, typer.Option(help="trajectories.jsonl from `spa generate`.")] = None,
+    data: Annotated[str | None, typer.Option(
+        help="trajectories.jsonl from `spa generate`, or SPA's wm_train.parquet / hub dataset id.")] = None,
     out: OutOpt = None,
     unit: Annotated[str | None, typer.Option(help="trajectory (default) | turn.")] = None,
     states: Annotated[str | None, typer.Option(help="ground_truth (default) | self_belief.")] = None,
@@ -182,10 +187,12 @@ def clean(
 @user_errors
 def sft(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[str | None, typer.Option(help="sft.jsonl from `spa clean`.")] = None,
+    data: Annotated[str | None, typer.Option(
+        help="sft.jsonl from `spa clean`, or SPA's wm_train.parquet, or a hub dataset id.")] = None,
     model: ModelOpt = None, out: OutOpt = None,
     epochs: Annotated[int | None, typer.Option(help="Training epochs.")] = None,
-    mask_states: Annotated[bool | None, typer.Option(help="No loss on state contents (ablation).")] = None,
+    state_text: Annotated[str | None, typer.Option(
+        help="trained | masked (the paper's [MASKED] ablation) | untrained (shown, no loss).")] = None,
     resume: ResumeOpt = None,
     dry_run: Annotated[bool, typer.Option(help="Write the first rows' tokens and masks, do not train.")] = False,
 ) -> None:
@@ -193,7 +200,7 @@ def sft(
     from stages import sft as stage
 
     cfg = _load(config, set_, quiet, sft__data=data, model__name=model, sft__out=out, sft__epochs=epochs,
-                sft__mask_states=mask_states, sft__resume=resume)
+                sft__state_text=state_text, sft__resume=resume)
     stage.run(cfg, dry_run=dry_run)
 
 
@@ -203,13 +210,14 @@ def ppo(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     model: ModelOpt = None, env: EnvOpt = None, out: OutOpt = None,
     steps: Annotated[int | None, typer.Option(help="PPO steps.")] = None,
+    prompt_mode: PromptModeOpt = None, render_mode: RenderModeOpt = None,
     resume: ResumeOpt = None,
 ) -> None:
     """Multi-turn PPO with a critic and GAE: checkpoint + env -> checkpoint directory."""
     from stages import ppo as stage
 
     cfg = _load(config, set_, quiet, model__name=model, env__name=env, ppo__out=out, ppo__steps=steps,
-                ppo__resume=resume)
+                ppo__prompt_mode=prompt_mode, ppo__render_mode=render_mode, ppo__resume=resume)
     stage.run(cfg)
 
 
@@ -223,8 +231,7 @@ def eval_(
     seeds: Annotated[int | None, typer.Option(help="Number of eval puzzles (seeds from 123).")] = None,
     n: Annotated[int | None, typer.Option("--n", help="Samples per puzzle (default: k).")] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
-    prompt_mode: Annotated[str | None, typer.Option(help="world_model | base.")] = None,
-    render_mode: Annotated[str | None, typer.Option(help="coords | text.")] = None,
+    prompt_mode: PromptModeOpt = None, render_mode: RenderModeOpt = None,
     state_ppl: Annotated[bool | None, typer.Option(help="Also measure state perplexity.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Draw Pass@k against k into this PNG.")] = None,
     out: OutOpt = None, resume: ResumeOpt = None,
@@ -239,7 +246,7 @@ def eval_(
         plots.check_plot(plot)  # before the eval, not after its minutes of work
     cfg = _load(config, set_, quiet, model__name=model, env__name=env, rollout__backend=backend,
                 eval__pass_k=pass_k, eval__seeds=seeds, eval__n=n, rollout__temperature=temperature,
-                rollout__prompt_mode=prompt_mode, env__render_mode=render_mode, eval__state_ppl=state_ppl,
+                eval__prompt_mode=prompt_mode, eval__render_mode=render_mode, eval__state_ppl=state_ppl,
                 eval__out=out, eval__resume=resume)
     report = stage.run(cfg)
     tables.print_report(report)
@@ -264,12 +271,25 @@ def eval_compare(
 def pipeline(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     run_dir: Annotated[str | None, typer.Option("--dir", help="Run directory.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Print the plan (stages, arms, models, modes, sizes); run "
+                                          "and write nothing.")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON.")] = False,
 ) -> None:
-    """The whole recipe (generate, clean, sft, ppo, eval) in one run directory; reruns skip
+    """The paper's arms (generate, clean, sft, ppo, eval) in one run directory; reruns skip
     completed stages and continue an interrupted one."""
     from stages import pipeline as stage
 
-    stage.run(_load(config, set_, quiet, pipeline__dir=run_dir))
+    cfg = _load(config, set_, quiet, pipeline__dir=run_dir)
+    if json_ and not dry_run:
+        _fail("--json prints the plan; use it with --dry-run")
+    if dry_run:
+        plan = stage.plan(cfg)
+        if json_:
+            typer.echo(json.dumps(plan.to_json(), indent=2))
+        else:
+            console.print(stage.describe(plan), highlight=False, markup=False, soft_wrap=True)
+        return
+    stage.run(cfg)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -292,7 +312,7 @@ def envs() -> None:
 
     import envs as registry
 
-    table = Table("name", "gymnasium id", "settings", "actions / turn budget", "what")
+    table = Table("name", "gymnasium id", "settings", "actions / turn budget", "prompt / render modes", "what")
     for name in registry.names():
         spec = registry.spec(name)
         try:
@@ -301,8 +321,9 @@ def envs() -> None:
             game = spec.load_class()
         settings = ", ".join(f"{k}={v}" for k, v in spec.kwargs.items())
         actions = _moves(game)
+        modes = f"{', '.join(registry.prompt_modes(game))} / {', '.join(registry.render_modes(game))}"
         table.add_row(name, spec.gym_id, settings, f"{actions or 'free-form'} / {game.max_actions_per_traj}",
-                      spec.summary)
+                      modes, spec.summary)
     console.print(table)
 
 
@@ -311,7 +332,8 @@ def envs() -> None:
 def play(
     env: Annotated[str, typer.Option("--env", "-e", help="Game name.")] = "sokoban",
     seed: Annotated[int, typer.Option(help="Puzzle seed.")] = 0,
-    render_mode: Annotated[str, typer.Option(help="coords | text.")] = "coords",
+    render_mode: Annotated[str | None, typer.Option(
+        help="coords | text (default: coords where the game has coordinates).")] = None,
     actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.")] = None,
 ) -> None:
     """Play a game in the terminal: the state with coordinates, the reward, done."""
@@ -319,6 +341,8 @@ def play(
 
     if seed < 0:
         _fail(f"--seed must be >= 0, got {seed}")
+    if render_mode is None:
+        render_mode = "coords" if "coords" in registry.render_modes(registry.spec(env).load_class()) else "text"
     game = registry.make(env, render_mode=render_mode)
     text, _ = game.reset(seed=seed)
     typer.echo(text)

@@ -7,16 +7,18 @@ Entry modules, one per stage (what `spa <stage>` calls):
     sft        sft.jsonl + model    -> checkpoint directory   world-model fine-tuning
     ppo        checkpoint + env     -> checkpoint directory   multi-turn PPO with a critic
     evaluate   checkpoint + env     -> report.json            Pass@k, world-model accuracy
-    pipeline   config               -> run directory          all of the above, resumable
+    pipeline   config               -> run directory          the paper's arms, resumable
 
 Below them, what the stages share, by what it is (imports flow down this list, never up;
 `tests/test_layout.py` checks it):
 
     common/      config (schema and ranges), artifacts (atomic files and directories, JSONL,
                  manifests), runs (the "same run?" rule), console (messages and progress),
-                 models (finding, converting and loading models), seeds, errors
+                 models (finding, converting and loading models), spa_data (SPA's released
+                 parquet SFT data), seeds, errors
     agent/       the agent loop: prompts, parsing, episode records, the env manager, the context
-                 manager, the agent proxy (`play`), and the generation backends (hf, vllm, random)
+                 manager, the agent proxy (`play`), states (comparing states; VAGEN's state
+                 reward), and the generation backends (hf, vllm, random)
     training/    the engines (DeepSpeed ZeRO or plain torch), one trainable-model setup for SFT and
                  PPO, the run directory and its checkpoints, SFT data and masks, PPO samples,
                  networks and algorithms

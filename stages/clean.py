@@ -11,20 +11,38 @@ verbatim. Earlier assistant turns in a row's context carry the true states too.
 Options (`clean.*`):
 
 * `states: self_belief` keeps the model's own states (the paper's Table 3 ablation).
-* `random_coordinates` rewrites every "(r,c)" of the substituted states with random numbers in the
-  same format (the Fig. 5 ablation). Our choice of range: each number is drawn from the smallest
-  to the largest coordinate number seen in that env's states in the input, so coordinates stay on
-  the board. One state gets one random rewrite, so turn t's prediction and turn t+1's observation
-  still agree. The user messages keep the true states.
-* `filter_format`: SPA's `filter_sft_by_tag.py` check per assistant message (`parsing.well_formed`):
-  think before answer, and in world-model mode an observation before a prediction inside think.
-  A failing turn is kept as context with `"train": false` in trajectory rows, and dropped in turn
-  rows.
+* `random_coordinates` is the Fig. 5 ablation ("replaced all ground-truth (x, y) coordinates with
+  i.i.d. random coordinates drawn from the same grid at each step", §4.2, "Effect of ground
+  truth"). What is randomised is exactly what the ground-truth replacement writes: every "(r,c)"
+  inside the substituted `<observation>` and `<prediction>` contents of the assistant messages
+  (the trained turns and the history), so the model is trained to write wrong coordinates in the
+  right format. The prompt is not touched: the user messages keep the states the game showed, and
+  PPO and eval show true coordinates as ever. Why: the paper holds "the text template and
+  training recipe fixed" and tests whether true coordinates in the supervision matter; the
+  prompt is the environment's own render, which the recipe never rewrites. Draws: one per state
+  (turn t's prediction and turn t+1's observation stay equal), each number uniform from the
+  smallest to the largest coordinate number seen in that env's states in the input (our reading
+  of "the same grid": the cells the items occupy).
+* `filter_format`: a turn is trained only when the agent loop parsed its answer and executed it
+  (the turn's `format_ok`, the strict parse of the prompt mode it was played in) and it passes
+  SPA's `filter_sft_by_tag.py` check (`parsing.well_formed`: think before answer, and in
+  world-model mode an observation before a prediction inside think). The first matters: SPA's check
+  alone passes a turn with text between `</prediction>` and `</think>`, whose actions the strict
+  parser never ran, and the ground-truth replacement would then teach "prediction = observation"
+  under an answer that moves. A failing turn is kept as context with `"train": false` in trajectory
+  rows, and dropped in turn rows.
 * `dedup`: rows with identical messages (and loss flags) are kept once.
 * `success_only`: keep successful episodes only (SPA has this filter commented out).
 * The train/validation split is by trajectory (`val_fraction`, seeded), so no episode has turns on
   both sides; SPA splits rows, which lets turns of one episode land in both. Output:
   `clean.out` and `artifacts.val_path(clean.out)`.
+
+SPA's released data (`wm_train.parquet`, or a hub dataset id; `stages.common.spa_data`) is read
+too: its rows already carry ground-truth states and are one row per turn, so `clean` keeps them as
+turn rows, applies SPA's tag check (`filter_format`; there is no turn record, so no `format_ok`),
+`dedup` and the split (by puzzle: rows whose first user message is the same go together), and
+writes our JSONL; `states`, `random_coordinates` and `success_only` need trajectories and are
+refused.
 
 Rows (what `spa sft` reads)::
 
@@ -47,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.parsing import replace_states, well_formed
-from stages.common import artifacts
+from stages.common import artifacts, spa_data
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -61,13 +79,18 @@ def run(config: SPAConfig) -> dict[str, Any]:
     """Clean `clean.data` into `clean.out` (+ its .val file); return and print the counts."""
     options = config.clean
     check_options(config)
-    rows, bad_lines = artifacts.read_jsonl(options.data, skip_bad=options.skip_bad, required=REQUIRED)
-    if not rows and not bad_lines:
-        raise UserError(f"{options.data} holds no trajectories; write it with `spa generate` (or check the path)")
-    result = clean_trajectories(rows, config)
-    if rows and result.dropped_trajectories["malformed"] == len(rows):
-        raise UserError(f"no line of {options.data} is a trajectory (line 1: {trajectory_problem(rows[0])}); "
-                        "write it with `spa generate`")
+    data, spa_val = spa_data.locate(options.data)
+    if spa_data.is_parquet(data):
+        rows = spa_data.read_rows(data) + (spa_data.read_rows(spa_val) if spa_val is not None else [])
+        result, bad_lines = clean_spa_rows(rows, config), 0
+    else:
+        rows, bad_lines = artifacts.read_jsonl(data, skip_bad=options.skip_bad, required=REQUIRED)
+        if not rows and not bad_lines:
+            raise UserError(f"{options.data} holds no trajectories; write it with `spa generate` (or check the path)")
+        result = clean_trajectories(rows, config)
+        if rows and result.dropped_trajectories["malformed"] == len(rows):
+            raise UserError(f"no line of {options.data} is a trajectory (line 1: {trajectory_problem(rows[0])}); "
+                            "write it with `spa generate`")
     result.dropped_trajectories["bad_line"] = bad_lines
 
     out = Path(options.out)
@@ -79,12 +102,13 @@ def run(config: SPAConfig) -> dict[str, Any]:
         "rows": len(result.train) + len(result.val),
         "train_rows": len(result.train),
         "val_rows": len(result.val),
-        "unit": options.unit,
+        "unit": result.unit,
         "dropped_trajectories": dict(result.dropped_trajectories),
         "dropped_rows": dict(result.dropped_rows),
         "untrained_turns": result.untrained_turns,
     }
-    artifacts.write_manifest(out, {**artifacts.manifest("clean", to_dict(config), {"data": options.data}),
+    inputs = {"data": data, **({"val_data": spa_val} if spa_val is not None else {})}  # a hub id's files
+    artifacts.write_manifest(out, {**artifacts.manifest("clean", to_dict(config), inputs),
                                    "summary": summary})
     print_summary(summary, Console(config.quiet))
     return summary
@@ -97,6 +121,13 @@ def check_options(config: SPAConfig) -> None:
     if options.random_coordinates and options.states != "ground_truth":
         raise UserError("clean.random_coordinates rewrites the substituted states; it needs "
                         "clean.states=ground_truth")
+    if spa_data.is_parquet(options.data) or spa_data.is_hub_dataset(options.data):
+        chosen = [f"clean.{name}" for name, on in (("states=self_belief", options.states != "ground_truth"),
+                                                   ("random_coordinates", options.random_coordinates),
+                                                   ("success_only", options.success_only)) if on]
+        if chosen:
+            raise UserError(f"{', '.join(chosen)} needs trajectories from `spa generate`; SPA's released rows "
+                            "carry their states already; leave it out for this data")
     if Path(options.out).is_dir():
         raise UserError(f"clean.out ({options.out}) is a directory; give a .jsonl file path")
     if Path(options.out).resolve() == Path(options.data).resolve():
@@ -111,6 +142,7 @@ class CleanResult:
     dropped_trajectories: Counter
     dropped_rows: Counter
     untrained_turns: int
+    unit: str
 
 
 def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResult:
@@ -149,7 +181,21 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
     # Malformed turns kept as context of a trajectory row (in turn rows only the last message trains).
     untrained = 0 if options.unit == "turn" else sum(
         m["role"] == "assistant" and not m["train"] for row in rows for m in row["messages"])
-    return CleanResult(train, val, dropped_trajectories, dropped_rows, untrained)
+    return CleanResult(train, val, dropped_trajectories, dropped_rows, untrained, options.unit)
+
+
+def clean_spa_rows(rows: list[dict], config: SPAConfig) -> CleanResult:
+    """SPA's released rows (one per turn, states already true): its tag check on the trained
+    turn, dedup, and a split by puzzle (`source_id`)."""
+    options = config.clean
+    dropped_rows: Counter = Counter({"format": 0, "duplicate": 0})
+    kept = [row for row in rows
+            if not options.filter_format or well_formed(row["messages"][-1]["content"], "world_model")]
+    dropped_rows["format"] = len(rows) - len(kept)
+    if options.dedup:
+        kept, dropped_rows["duplicate"] = deduplicate(kept)
+    train, val = split_by_trajectory(kept, options.val_fraction, options.seed)
+    return CleanResult(train, val, Counter({"malformed": 0, "not_success": 0}), dropped_rows, 0, "turn")
 
 
 def trajectory_problem(trajectory: dict) -> str | None:
@@ -221,10 +267,12 @@ class _CoordinateRandomizer:
 
 
 def _trained_flags(messages: list[dict], trajectory: dict, filter_format: bool) -> list[bool]:
-    """One flag per assistant message: does it pass the format filter (always, without the filter)."""
+    """One flag per assistant message: does it pass the format filter (always, without the filter):
+    its turn's answer was parsed and executed (`format_ok`) and it passes SPA's tag check."""
     mode = trajectory.get("prompt_mode", "world_model")
     assistants = [m["content"] for m in messages if m["role"] == "assistant"]
-    return [not filter_format or well_formed(content, mode) for content in assistants]
+    parsed = [turn.get("format_ok") is True for turn in trajectory["turns"]]
+    return [not filter_format or (ok and well_formed(content, mode)) for content, ok in zip(assistants, parsed)]
 
 
 def _row(trajectory: dict, row_id: str, messages: list[dict]) -> dict:

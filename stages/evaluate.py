@@ -24,7 +24,7 @@ def run(config: SPAConfig, backend: Any = None) -> dict:
     if backend is not None:
         return evaluate(config, backend)
     check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
-    backend = make_backend(config.model, config.rollout)
+    backend = make_backend(config.model, config.rollout, prompt_mode=config.eval.prompt_mode)
     report = evaluate(config, backend)
     backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
     return report

@@ -1,7 +1,8 @@
 """`spa generate`: self-play rollouts written to trajectories.jsonl (SPA's data generation).
 
 `rollout.groups` puzzles (seeds `rollout.seed`, `rollout.seed + 1`, ...) x `rollout.group_size`
-episodes each, played by the policy of `rollout.backend` with the prompt of `rollout.prompt_mode`.
+episodes each, played by the policy of `rollout.backend` with the prompt of `generate.prompt_mode`
+on the states of `generate.render_mode` (the paper's: the world-model prompt on coordinates).
 Each finished episode is appended to `generate.out` and flushed, so a killed run keeps what it
 finished: the same command with `--resume` skips the episodes already in the file. The manifest
 beside the file (`<out>.manifest.json`) records the settings (`stages.common.runs`); resuming
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.backends import make_backend
-from stages.agent.env_manager import make_env
+from stages.agent.env_manager import check_modes
 from stages.agent.episode import Episode, episode_id
 from stages.agent.proxy import model_label, play
 from stages.common import artifacts, runs
@@ -36,14 +37,16 @@ def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
     """Play the episodes the config asks for that `generate.out` lacks; return and print a summary.
     `backend` (a notebook's or a test's) replaces the one `rollout.backend` would open."""
     out, console = Path(config.generate.out), Console(config.quiet)
-    make_env(config.env)  # its name and options
+    modes = {"prompt_mode": config.generate.prompt_mode, "render_mode": config.generate.render_mode}
+    check_modes(config.env, **modes, section="generate")  # the game, its options and modes
     if out.is_dir():
         raise UserError(f"generate.out ({out}) is a directory; give a .jsonl file path")
     artifacts.check_writable(out)
     resuming = runs.start(out, settings(config), config.generate.resume, "generate",
                           holds_run=out.is_file() and out.stat().st_size > 0)
     opened = backend is None
-    backend = backend if backend is not None else make_backend(config.model, config.rollout)
+    if opened:
+        backend = make_backend(config.model, config.rollout, prompt_mode=config.generate.prompt_mode)
     runs.record(out, "generate", to_dict(config), settings(config), summary=None)  # before any episode
     done_ids = _episodes_in(out) if resuming else set()
     if not resuming:
@@ -61,7 +64,7 @@ def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
             tally.episode(episode)
             bar.advance(1, tally.figures())
 
-        play(config.env, rollout, backend, seeds, rollout.group_size, model=config.model.name,
+        play(config.env, rollout, backend, seeds, rollout.group_size, **modes, model=config.model.name,
              skip_ids=frozenset(done_ids), on_episode=keep, progress=tally.tokens)
     if opened:
         backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
@@ -75,7 +78,8 @@ def settings(config: SPAConfig) -> dict[str, Any]:
     """What decides how an episode is made; two runs with equal settings may share one file."""
     data = to_dict(config)
     rollout = {k: v for k, v in data["rollout"].items() if k not in RESUMABLE}
-    return {"env": data["env"], "model": model_label(config.model.name, config.rollout.backend), "rollout": rollout}
+    return {"env": data["env"], "model": model_label(config.model.name, config.rollout.backend), "rollout": rollout,
+            "prompt_mode": config.generate.prompt_mode, "render_mode": config.generate.render_mode}
 
 
 def _episodes_in(out: Path) -> set[str]:

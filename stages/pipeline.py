@@ -1,195 +1,609 @@
-"""`spa pipeline`: the whole SPA recipe in one run directory, resumable and incremental.
+"""`spa pipeline`: the paper's comparison as arms of one run directory, resumable and incremental.
 
-Stages, in order, each writing under `pipeline.dir`:
+An arm is one row of the paper's tables: a model it starts from, what it trains (world-model SFT,
+PPO, both, neither) and how it is evaluated. `pipeline.arms` lists them, in the order of the table;
+each is a built-in name below or a mapping that defines a variant (see `Arm`, README "The
+pipeline"). The built-in arms (reference notes §7.3, §7.5):
 
-    generate     trajectories.jsonl   self-play data: `pipeline.data_groups` puzzles x
-                                      `rollout.group_size` episodes (`pipeline.data_policy`: the
-                                      model, or random actions = the paper's RandSFT bootstrap)
-    clean        sft.jsonl (+ .val)   ground-truth states
-    sft          sft/                 world-model fine-tuning from `model.name`
-    ppo          ppo/                 PPO from sft/final: SPA
-    ppo_vanilla  ppo_vanilla/         PPO from `model.name` (`pipeline.vanilla_ppo`: the paper's
-                                      "Vanilla RL" baseline, same PPO settings)
-    eval_*       eval/NAME.json       the same eval settings for every model: base (with
-                                      `pipeline.baselines`), vanilla_ppo, sft, spa
-                 table.md             the comparison, like the paper's Table 2
+    name                     row of the paper                  SFT data (world-model prompt)  SFT        PPO (prompt, states)        eval
+    base                     base model (Table 2)              -                              -          -                           base, raw grid
+    state_estimation         + State Estimation (Table 7)      -                              -          -                           base, coordinates
+    vanilla_rl               + Vanilla RL                      -                              -          base, raw grid              as PPO
+    state_estimation_rl      + State Estimation RL             -                              -          base, coordinates           as PPO
+    vagen                    + VAGEN                           -                              -          world model, coordinates,   as PPO
+                                                                                                         + reward for right states
+    spa_sft                  + SPA SFT (Table 7)               self-play, coordinates         5 epochs   -                           base, coordinates
+    spa                      + SPA                             as spa_sft                     as spa_sft base, coordinates           as PPO
+    spa_masked               masked states (Fig. 4)            as spa                         [MASKED]   as spa                      as PPO
+    spa_random_coordinates   random coordinates (Fig. 5)       as spa, random coordinates     as spa     as spa                      as PPO
+    spa_no_state_estimation  SPA w/o State Estimation (Tab. 4) self-play, raw grid            as spa     base, raw grid              as PPO
+    spa_self_belief          self-belief states (Table 3)      as spa, the model's own states as spa     as spa                      as PPO
+    rand_sft                 RandSFT (Table 5)                 random actions                 as spa     as spa                      as PPO
+    spa_sft_1_epoch          1-epoch SFT (Table 5)             as spa                         1 epoch    as spa                      as PPO
+    spa_unfiltered           raw data (Fig. 8)                 as spa, no format filter       as spa     as spa                      as PPO
+
+"As PPO": an arm is evaluated with the prompt and render mode it was trained with, as the paper
+validates its RL runs; everything else about the eval (puzzles, samples, temperature, tokens,
+turns) is the same for every arm, so the paired differences of the table are over the same puzzles.
+A built-in arm pins what defines it (the prompt and render modes in this table, VAGEN's state
+reward and its absence elsewhere, the ablation's own setting); every other setting comes from the
+config's sections (`sft.epochs`, `ppo.steps`, ...), the same for every arm.
+The self-play data is played by the arm's starting model (`pipeline.data_policy: model`, the
+paper), or by random actions (`random`, the bootstrap for a model too weak to write the format, in
+which case spa's data is RandSFT data). A mapping defines an arm from a built-in one (`like`) with
+other settings (`set`: dotted keys of generate, clean, sft, ppo, eval), another starting `model`
+(a checkpoint, e.g. one of SPA's released ones), its SFT data played on another game (`data_env`:
+Easy2Hard and transfer, Fig. 9 and Table 6; PPO and eval play `env`), or an SFT file instead of
+played data (`sft_data`: our JSONL, SPA's parquet, a hub dataset id).
+
+Stages. Every arm is a chain of stages: generate -> clean -> sft -> ppo -> eval (the ones it has).
+A stage that two arms share (spa_sft and spa share data, cleaning and SFT) runs once: two stages
+are the same when they read the same settings from the same upstream stages. Each stage has an id
+that names its output; a built-in arm's stages have fixed ids (spa's SFT is `sft/spa` whichever
+arms are listed, in whatever order), a variant's stages keep their built-in arm's ids where they
+equal its stages, and take the variant's name where they differ. Layout of `pipeline.dir`:
+
+    data/<id>.jsonl              generate  self-play (or random-action) trajectories
+    sft_data/<id>.jsonl          clean     SFT rows with the true states (+ .val.jsonl)
+    sft/<id>/                    sft       world-model fine-tuning (final/ is the model)
+    ppo/<id>/                    ppo       PPO (final/ is the model)
+    eval/<id>.json               eval      the reports (+ .trajectories.jsonl)
+    table.md                     the comparison, laid out like the paper's Table 2
+    pipeline_state.json          the stages completed, under which fingerprint
 
 A stage is skipped when it completed before with the same fingerprint: the config sections it
-reads plus the hashes of its inputs (`pipeline_state.json` records them). A stage that started
-but did not finish is resumed (every stage resumes on its own); one whose settings or inputs
-changed since is started over (its old output is removed first). Later stages see the new inputs'
-hashes, so they rerun too.
+reads plus the hashes of its inputs. A stage that started but did not finish is resumed (every stage
+resumes on its own); one whose settings or inputs changed since is started over (its old output is
+removed first). Later stages see the new inputs' hashes, so they rerun too. `plan` checks every arm
+and stage before anything runs or is written; `spa pipeline --dry-run` prints it.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
+import re
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.common import artifacts
-from stages.common.config import SPAConfig
+from stages.agent.env_manager import check_modes
+from stages.common import artifacts, spa_data
+from stages.common.config import EnvConfig, SPAConfig, from_dict, with_overrides
 from stages.common.console import Console
+from stages.common.errors import UserError
+from stages.common.models import check_model_name
 
 STATE_FILE = "pipeline_state.json"
-
-
-class Layout:
-    """Where each artifact of a run directory lives."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.trajectories = self.root / "trajectories.jsonl"
-        self.sft_data = self.root / "sft.jsonl"
-        self.sft = self.root / "sft"
-        self.ppo = self.root / "ppo"
-        self.ppo_vanilla = self.root / "ppo_vanilla"
-        self.eval = self.root / "eval"
-        self.table = self.root / "table.md"
-
-    def report(self, name: str) -> Path:
-        return self.eval / f"{name}.json"
-
-
-def stage_configs(config: SPAConfig) -> dict[str, SPAConfig]:
-    """The config of every stage of the run: paths inside the run dir, models chained."""
-    run = Layout(config.pipeline.dir)
-    configs: dict[str, SPAConfig] = {}
-    config = copy.deepcopy(config)
-    for section in (config.generate, config.sft, config.ppo, config.eval):
-        section.resume = False  # the pipeline decides what is resumed (`run`)
-
-    generate = copy.deepcopy(config)
-    generate.rollout.groups = config.pipeline.data_groups
-    if config.pipeline.data_policy == "random":
-        generate.rollout.backend = "random"
-    generate.generate.out = str(run.trajectories)
-    configs["generate"] = generate
-
-    clean = copy.deepcopy(config)
-    clean.clean.data, clean.clean.out = str(run.trajectories), str(run.sft_data)
-    configs["clean"] = clean
-
-    sft = copy.deepcopy(config)
-    sft.sft.data, sft.sft.val_data, sft.sft.out = str(run.sft_data), "", str(run.sft)
-    configs["sft"] = sft
-
-    ppo = copy.deepcopy(config)
-    ppo.model.name, ppo.ppo.out = str(run.sft / "final"), str(run.ppo)
-    configs["ppo"] = ppo
-    if config.pipeline.vanilla_ppo:
-        vanilla = copy.deepcopy(config)
-        vanilla.ppo.out = str(run.ppo_vanilla)
-        configs["ppo_vanilla"] = vanilla
-
-    for name, model in evaluated_models(config).items():
-        evaluation = copy.deepcopy(config)
-        evaluation.model.name, evaluation.eval.out = str(model), str(run.report(name))
-        configs[f"eval_{name}"] = evaluation
-    return configs
-
-
-def evaluated_models(config: SPAConfig) -> dict[str, str]:
-    """Eval name -> model, in the order of the paper's tables."""
-    run = Layout(config.pipeline.dir)
-    models = {"base": config.model.name} if config.pipeline.baselines else {}
-    if config.pipeline.vanilla_ppo:
-        models["vanilla_ppo"] = str(run.ppo_vanilla / "final")
-    return {**models, "sft": str(run.sft / "final"), "spa": str(run.ppo / "final")}
-
-
-#: What the table calls each evaluated model.
-LABELS = {"base": "base model", "vanilla_ppo": "+ vanilla PPO", "sft": "+ SPA world-model SFT",
-          "spa": "+ SPA (SFT, then PPO)"}
-
-#: The config sections each stage reads (its fingerprint); eval stages read `EVAL_SECTIONS`.
+KINDS = ("generate", "clean", "sft", "ppo", "eval")
+#: The config sections each kind of stage reads: its fingerprint, and what makes two stages one.
 SECTIONS = {
     "generate": ("env", "model", "rollout", "generate"),
     "clean": ("clean",),
     "sft": ("model", "sft"),
     "ppo": ("env", "model", "rollout", "ppo"),
-    "ppo_vanilla": ("env", "model", "rollout", "ppo"),
+    "eval": ("env", "model", "rollout", "eval"),
 }
-EVAL_SECTIONS = ("env", "model", "rollout", "eval")
+#: What an arm's `set` may change: the settings of its own stages (the game, model and rollout
+#: settings are the pipeline's, so that every arm plays the same game in the same way).
+ARM_SECTIONS = ("generate", "clean", "sft", "ppo", "eval")
+#: Keys the pipeline sets itself (paths, resuming).
+PIPELINE_KEYS = ("out", "data", "val_data", "resume")
+#: Eval settings an arm may have of its own; the rest is the same for every arm.
+ARM_EVAL_KEYS = ("prompt_mode", "render_mode", "out", "resume")
+#: Stands for a path that the upstream stage's id decides (replaced once ids are assigned).
+CHAINED = "<upstream>"
 
 
-def stage_inputs(name: str, config: SPAConfig) -> list[Path]:
+# ---- arms ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    """One row of the comparison. A mapping in `pipeline.arms` gives these keys (all but `name`
+    optional), `like` naming the built-in arm it starts from."""
+
+    name: str
+    #: The row's text in table.md (default: the name).
+    label: str = ""
+    #: World-model SFT before anything else, on played data (or `sft_data`).
+    sft: bool = False
+    ppo: bool = False
+    #: The model the arm starts from; "" is `model.name`.
+    model: str = ""
+    #: Who plays the SFT data: "" (`pipeline.data_policy`), "model" or "random" (RandSFT).
+    data_policy: str = ""
+    #: The game the SFT data is played on ({name, options}); empty: the pipeline's `env`.
+    data_env: dict[str, Any] = field(default_factory=dict)
+    #: SFT on this file (our JSONL rows, SPA's parquet, a hub dataset id) instead of played data.
+    sft_data: str = ""
+    #: Dotted settings of the arm's stages ({"sft.epochs": 1, "ppo.render_mode": "text"}).
+    set: dict[str, Any] = field(default_factory=dict)
+    #: The built-in arm this one is defined from ("" for a built-in arm or one from scratch).
+    like: str = ""
+    #: A built-in arm's ids of its generate, clean and sft stages (shared ones share ids).
+    ids: dict[str, str] = field(default_factory=dict)
+
+
+_SELF_PLAY = {"generate": "selfplay", "clean": "selfplay", "sft": "spa"}
+# What defines each built-in arm, pinned whatever the config's sections say: what the model is
+# shown in each stage, and whether RL rewards states (the table above).
+_SELF_PLAY_DATA = {"generate.prompt_mode": "world_model", "generate.render_mode": "coords"}
+_STATE_ESTIMATION_RL = {"ppo.prompt_mode": "base", "ppo.render_mode": "coords", "ppo.state_reward": "none"}
+_SPA = {**_SELF_PLAY_DATA, **_STATE_ESTIMATION_RL}
+
+#: The built-in arms, in the order their stages are planned (so that shared stages keep their ids).
+BUILT_IN = {arm.name: arm for arm in [
+    Arm("base", "base model", set={"eval.prompt_mode": "base", "eval.render_mode": "text"}),
+    Arm("state_estimation", "+ State Estimation", set={"eval.prompt_mode": "base", "eval.render_mode": "coords"}),
+    Arm("vanilla_rl", "+ Vanilla RL", ppo=True, set={**_STATE_ESTIMATION_RL, "ppo.render_mode": "text"}),
+    Arm("state_estimation_rl", "+ State Estimation RL", ppo=True, set=_STATE_ESTIMATION_RL),
+    Arm("vagen", "+ VAGEN", ppo=True,
+        set={"ppo.prompt_mode": "world_model", "ppo.render_mode": "coords", "ppo.state_reward": "cells"}),
+    Arm("spa_sft", "+ SPA SFT", sft=True, ids=_SELF_PLAY,
+        set={**_SELF_PLAY_DATA, "eval.prompt_mode": "base", "eval.render_mode": "coords"}),
+    Arm("spa", "+ SPA", sft=True, ppo=True, ids=_SELF_PLAY, set=_SPA),
+    Arm("spa_masked", "SPA, masked states (Fig. 4)", sft=True, ppo=True, set={**_SPA, "sft.state_text": "masked"},
+        ids={**_SELF_PLAY, "sft": "spa_masked"}),
+    Arm("spa_random_coordinates", "SPA, random coordinates (Fig. 5)", sft=True, ppo=True,
+        set={**_SPA, "clean.random_coordinates": True},
+        ids={"generate": "selfplay", "clean": "selfplay_random_coordinates", "sft": "spa_random_coordinates"}),
+    Arm("spa_no_state_estimation", "SPA without State Estimation (Table 4)", sft=True, ppo=True,
+        set={**_SPA, "generate.render_mode": "text", "ppo.render_mode": "text"},
+        ids={"generate": "selfplay_text", "clean": "selfplay_text", "sft": "spa_no_state_estimation"}),
+    Arm("spa_self_belief", "SPA, self-belief states (Table 3)", sft=True, ppo=True,
+        set={**_SPA, "clean.states": "self_belief"},
+        ids={"generate": "selfplay", "clean": "selfplay_self_belief", "sft": "spa_self_belief"}),
+    Arm("rand_sft", "RandSFT (Table 5)", sft=True, ppo=True, data_policy="random", set=_SPA,
+        ids={"generate": "random", "clean": "random", "sft": "rand_sft"}),
+    Arm("spa_sft_1_epoch", "SPA, 1-epoch SFT (Table 5)", sft=True, ppo=True, set={**_SPA, "sft.epochs": 1},
+        ids={**_SELF_PLAY, "sft": "spa_sft_1_epoch"}),
+    Arm("spa_unfiltered", "SPA, unfiltered data (Fig. 8)", sft=True, ppo=True,
+        set={**_SPA, "clean.filter_format": False},
+        ids={"generate": "selfplay", "clean": "selfplay_unfiltered", "sft": "spa_unfiltered"}),
+]}
+
+_ARM_KEYS = ("name", "like", "label", "sft", "ppo", "model", "data_policy", "data_env", "sft_data", "set")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def arms(config: SPAConfig) -> list[Arm]:
+    """The arms of `pipeline.arms`, in table order, each checked; a bad one is one UserError line."""
+    found: list[Arm] = []
+    for index, entry in enumerate(config.pipeline.arms):
+        where = f"pipeline.arms[{index}]"
+        arm = built_in(entry, where) if isinstance(entry, str) else _variant(entry, where)
+        if any(other.name == arm.name for other in found):
+            raise UserError(f"{where}: arm {arm.name!r} is listed twice; give the variant another name")
+        found.append(arm)
+    if not found:
+        raise UserError("pipeline.arms is empty; list the arms to run, e.g. [base, spa]")
+    return found
+
+
+def built_in(name: str, where: str) -> Arm:
+    if name not in BUILT_IN:
+        close = difflib.get_close_matches(name, list(BUILT_IN), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"{where}: unknown arm {name!r}; built-in arms: {', '.join(BUILT_IN)}, or a mapping "
+                        f"{{name, like, set, ...}} that defines one.{hint}")
+    return copy.deepcopy(BUILT_IN[name])
+
+
+def _variant(entry: dict[str, Any], where: str) -> Arm:
+    for key in entry:
+        if key not in _ARM_KEYS:
+            close = difflib.get_close_matches(str(key), _ARM_KEYS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{where}: unknown arm key {key!r}; keys: {', '.join(_ARM_KEYS)}.{hint}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise UserError(f"{where}: an arm needs a name of letters, digits, '_', '-' or '.', got {name!r}")
+    if name in BUILT_IN:
+        raise UserError(f"{where}: {name!r} is a built-in arm; give the variant another name")
+    like = entry.get("like", "")
+    if not isinstance(like, str):
+        raise UserError(f"{where}.like must name a built-in arm, got {like!r}")
+    arm = built_in(like, f"{where}.like") if like else Arm(name)
+    # A variant's stages are named after it, except those equal to its built-in arm's (`plan`).
+    arm.name, arm.label, arm.like, arm.ids = name, name, like, {}
+    for key, kind in (("sft", bool), ("ppo", bool), ("model", str), ("data_policy", str), ("sft_data", str),
+                      ("label", str)):
+        if key in entry:
+            if not isinstance(entry[key], kind):
+                raise UserError(f"{where}.{key} must be {'true or false' if kind is bool else 'text'}, "
+                                f"got {entry[key]!r}")
+            setattr(arm, key, entry[key])
+    if arm.data_policy not in ("", "model", "random"):
+        raise UserError(f"{where}.data_policy must be one of model, random; got {arm.data_policy!r}")
+    if "data_env" in entry:
+        data_env = entry["data_env"]
+        data_env = {"name": data_env} if isinstance(data_env, str) else data_env
+        arm.data_env = asdict(from_dict(data_env, EnvConfig, f"{where}.data_env."))
+    sets = entry.get("set", {})
+    if not isinstance(sets, dict):
+        raise UserError(f"{where}.set must be a mapping of dotted settings, e.g. {{sft.epochs: 1}}")
+    for key in sets:
+        section, _, rest = str(key).partition(".")
+        if section not in ARM_SECTIONS or not rest:
+            raise UserError(f"{where}.set: {key!r} is not a setting of the arm's stages; give "
+                            f"section.key with a section among {', '.join(ARM_SECTIONS)}")
+        if rest in PIPELINE_KEYS:
+            raise UserError(f"{where}.set: the pipeline sets {key} itself; leave it out")
+    arm.set = {**arm.set, **sets}
+    if (arm.sft_data or arm.data_env or arm.data_policy) and not arm.sft:
+        raise UserError(f"{where}: data_policy, data_env and sft_data describe SFT data, and arm {name!r} has "
+                        "no SFT; set sft: true or leave them out")
+    if arm.sft_data and (arm.data_env or arm.data_policy):
+        raise UserError(f"{where}: sft_data replaces the played data, so data_env and data_policy do not apply")
+    return arm
+
+
+# ---- stages --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    """One stage of the run: its kind, its id (which names its output) and its config."""
+
+    kind: str
+    id: str
+    config: SPAConfig
+    upstream: Stage | None
+    key: str  # what the stage computes: its settings and its upstream stages' (paths left out)
+    arms: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.id}"
+
+    def output(self) -> str:
+        """The path the next stage reads: the trajectories, the SFT rows, or a model."""
+        cfg = self.config
+        paths = {"generate": cfg.generate.out, "clean": cfg.clean.out, "sft": str(Path(cfg.sft.out) / "final"),
+                 "ppo": str(Path(cfg.ppo.out) / "final"), "eval": cfg.eval.out}
+        return paths[self.kind]
+
+
+def resolve(config: SPAConfig, arm: Arm) -> list[Stage]:
+    """The arm's chain of stages, with the paths that depend on stage ids left as `CHAINED`."""
+    try:
+        arm_config = with_overrides(config, arm.set)
+    except UserError as err:
+        raise UserError(f"arm {arm.name}: {err}") from None
+    for section in (arm_config.generate, arm_config.sft, arm_config.ppo, arm_config.eval):
+        section.resume = False  # the pipeline decides what is resumed (`run`)
+    if arm.ppo:  # evaluated as it was trained, unless the arm says otherwise
+        for mode in ("prompt_mode", "render_mode"):
+            if f"eval.{mode}" not in arm.set:
+                setattr(arm_config.eval, mode, getattr(arm_config.ppo, mode))
+    start = arm.model or config.model.name
+    chain: list[Stage] = []
+
+    def add(kind: str, stage_config: SPAConfig) -> str:
+        upstream = chain[-1] if chain else None
+        chain.append(Stage(kind, "", stage_config, upstream, _key(kind, stage_config, upstream)))
+        return CHAINED
+
+    model = start
+    if arm.sft:
+        data = arm.sft_data
+        if not data:
+            played = copy.deepcopy(arm_config)
+            played.model.name = start
+            if arm.data_env:
+                played.env = EnvConfig(**copy.deepcopy(arm.data_env))
+            played.rollout.groups = config.pipeline.data_groups
+            if (arm.data_policy or config.pipeline.data_policy) == "random":
+                played.rollout.backend = "random"
+            played.generate.out = add("generate", played)
+            cleaned = copy.deepcopy(arm_config)
+            cleaned.clean.data = cleaned.clean.out = CHAINED
+            data = add("clean", cleaned)
+        tuned = copy.deepcopy(arm_config)
+        tuned.model.name, tuned.sft.data, tuned.sft.val_data, tuned.sft.out = start, data, "", CHAINED
+        model = add("sft", tuned)
+    if arm.ppo:
+        trained = copy.deepcopy(arm_config)
+        trained.model.name, trained.ppo.out = model, CHAINED
+        model = add("ppo", trained)
+    evaluated = copy.deepcopy(arm_config)
+    evaluated.model.name, evaluated.eval.out = model, CHAINED
+    add("eval", evaluated)
+    return chain
+
+
+def _key(kind: str, config: SPAConfig, upstream: Stage | None) -> str:
+    data = asdict(config)
+    sections = {section: data[section] for section in SECTIONS[kind]}
+    if kind == "generate" and config.rollout.backend == "random":
+        del sections["model"]  # random actions: the model does not play
+    return json.dumps({"kind": kind, "sections": sections, "upstream": upstream.key if upstream else None},
+                      sort_keys=True)
+
+
+@dataclass
+class Plan:
+    """Every stage of the run in the order they run, and the eval stage of each arm (the rows)."""
+
+    config: SPAConfig
+    dir: Path
+    arms: list[Arm]
+    stages: list[Stage]
+    rows: dict[str, Stage]
+
+    def to_json(self) -> dict[str, Any]:
+        status = statuses(self)
+        return {
+            "dir": str(self.dir), "env": self.config.env.name, "model": self.config.model.name,
+            "arms": [{"name": arm.name, "label": arm.label, "stages": _arm_stages(self.rows[arm.name]),
+                      "report": self.rows[arm.name].config.eval.out} for arm in self.arms],
+            "stages": [{"name": stage.name, **describe_stage(stage), "status": status[stage.name]}
+                       for stage in self.stages],
+        }
+
+
+def plan(config: SPAConfig) -> Plan:
+    """The run `config` asks for, every arm and stage checked; nothing is run or written."""
+    chosen = arms(config)
+    check_model_name(config.model.name)
+    ordered = [a for name in BUILT_IN for a in chosen if a.name == name] + [a for a in chosen if a.name not in BUILT_IN]
+    by_key: dict[str, Stage] = {}
+    by_id: dict[tuple[str, str], Stage] = {}
+    stages: list[Stage] = []
+    rows: dict[str, Stage] = {}
+    for arm in ordered:
+        if arm.model:
+            _in_arm(arm, check_model_name, arm.model)
+        chain = resolve(config, arm)
+        reference = {s.kind: s.key for s in resolve(config, BUILT_IN[arm.like])} if arm.like else {}
+        for spec in chain:
+            spec.upstream = by_key[spec.upstream.key] if spec.upstream else None
+            if spec.key in by_key:
+                by_key[spec.key].arms.append(arm.name)
+                continue
+            source = BUILT_IN.get(arm.name) or (BUILT_IN[arm.like] if reference.get(spec.kind) == spec.key else arm)
+            spec.id = source.ids.get(spec.kind, source.name)
+            if (spec.kind, spec.id) in by_id:
+                raise UserError(f"arm {arm.name}: its {spec.kind} stage differs from, but would be named like, "
+                                f"{spec.kind}/{spec.id} of arm {by_id[spec.kind, spec.id].arms[0]}; rename the arm")
+            spec.arms.append(arm.name)
+            _place(spec, Path(config.pipeline.dir))
+            by_key[spec.key] = by_id[spec.kind, spec.id] = spec
+            stages.append(spec)
+        rows[arm.name] = by_key[chain[-1].key]
+    for stage in stages:
+        _in_arm(stage, check_stage, stage)
+    _check_same_eval(config, chosen, rows)
+    return Plan(config, Path(config.pipeline.dir), chosen, stages, rows)
+
+
+def _place(stage: Stage, root: Path) -> None:
+    """Fill in the stage's paths: its output under `root`, its input the upstream stage's output."""
+    cfg, upstream = stage.config, stage.upstream.output() if stage.upstream else None
+    if stage.kind == "generate":
+        cfg.generate.out = str(root / "data" / f"{stage.id}.jsonl")
+    elif stage.kind == "clean":
+        cfg.clean.data, cfg.clean.out = upstream, str(root / "sft_data" / f"{stage.id}.jsonl")
+    elif stage.kind == "sft":
+        cfg.sft.data = upstream if cfg.sft.data == CHAINED else cfg.sft.data
+        cfg.sft.out = str(root / "sft" / stage.id)
+    elif stage.kind == "ppo":
+        cfg.model.name = upstream if cfg.model.name == CHAINED else cfg.model.name
+        cfg.ppo.out = str(root / "ppo" / stage.id)
+    else:
+        cfg.model.name = upstream if cfg.model.name == CHAINED else cfg.model.name
+        cfg.eval.out = str(root / "eval" / f"{stage.id}.json")
+
+
+def check_stage(stage: Stage) -> None:
+    """What each stage would refuse, refused now, before anything runs."""
+    cfg = stage.config
+    if stage.kind == "generate":
+        check_modes(cfg.env, cfg.generate.prompt_mode, cfg.generate.render_mode, "generate")
+    elif stage.kind == "sft" and stage.upstream is None:
+        data = cfg.sft.data
+        if not spa_data.is_hub_dataset(data) and not Path(data).is_file():
+            raise UserError(f"sft_data {data} does not exist; give an SFT file (spa clean's JSONL, SPA's "
+                            "wm_train.parquet) or a hub dataset id")
+    elif stage.kind == "ppo":
+        from stages import ppo
+
+        ppo.check_config(cfg)
+    elif stage.kind == "eval":
+        from stages.evaluation.runner import sample_plan
+
+        sample_plan(cfg.eval)
+        check_modes(cfg.env, cfg.eval.prompt_mode, cfg.eval.render_mode, "eval")
+
+
+def _in_arm(where: Arm | Stage, check: Callable[[Any], None], value: Any) -> None:
+    """Run a check; its error names the arm(s) it concerns."""
+    try:
+        check(value)
+    except UserError as err:
+        names = where.arms if isinstance(where, Stage) else [where.name]
+        raise UserError(f"arm {', '.join(names)}: {err}") from None
+
+
+def _check_same_eval(config: SPAConfig, chosen: list[Arm], rows: dict[str, Stage]) -> None:
+    reference = {k: v for k, v in asdict(config.eval).items() if k not in ARM_EVAL_KEYS}
+    for arm in chosen:
+        mine = {k: v for k, v in asdict(rows[arm.name].config.eval).items() if k not in ARM_EVAL_KEYS}
+        changed = next((k for k in reference if reference[k] != mine[k]), None)
+        if changed is not None:
+            raise UserError(f"arm {arm.name} sets eval.{changed}; every arm is evaluated with the same settings "
+                            f"(only eval.prompt_mode and eval.render_mode are an arm's own); set it for the "
+                            "whole pipeline instead")
+
+
+def _arm_stages(stage: Stage) -> list[str]:
+    names = []
+    while stage is not None:
+        names.insert(0, stage.name)
+        stage = stage.upstream
+    return names
+
+
+# ---- the plan in words -----------------------------------------------------------------------------
+
+
+def describe_stage(stage: Stage) -> dict[str, Any]:
+    """What the stage does, for the dry run: model, prompt and render mode, size, input, output."""
+    cfg, rollout = stage.config, stage.config.rollout
+    info: dict[str, Any] = {"kind": stage.kind, "arms": list(stage.arms)}
+    if stage.kind == "generate":
+        policy = "random actions (RandSFT)" if rollout.backend == "random" else cfg.model.name
+        info |= {"env": cfg.env.name, "model": policy, "prompt_mode": cfg.generate.prompt_mode,
+                 "render_mode": cfg.generate.render_mode,
+                 "size": f"{rollout.groups} puzzles x {rollout.group_size} = {rollout.groups * rollout.group_size} "
+                         "episodes", "output": cfg.generate.out}
+    elif stage.kind == "clean":
+        c = cfg.clean
+        info |= {"data": c.data, "size": f"{c.unit} rows, states {c.states}, format filter "
+                 f"{'on' if c.filter_format else 'off'}" + (", random coordinates" if c.random_coordinates else ""),
+                 "output": c.out}
+    elif stage.kind == "sft":
+        s = cfg.sft
+        info |= {"model": cfg.model.name, "data": s.data,
+                 "size": f"{s.epochs} epochs, {s.global_batch} rows a step, lr {s.lr:g}, state text {s.state_text}",
+                 "output": str(Path(s.out) / "final")}
+    elif stage.kind == "ppo":
+        p = cfg.ppo
+        reward = "" if p.state_reward == "none" else (f", state reward {p.state_reward} "
+                                                      f"({p.observation_weight:g}/{p.prediction_weight:g})")
+        info |= {"env": cfg.env.name, "model": cfg.model.name, "prompt_mode": p.prompt_mode,
+                 "render_mode": p.render_mode,
+                 "size": f"{p.steps} steps of {rollout.groups} x {rollout.group_size} episodes{reward}",
+                 "output": str(Path(p.out) / "final")}
+    else:
+        e = cfg.eval
+        n = e.pass_k if e.n is None else e.n
+        info |= {"env": cfg.env.name, "model": cfg.model.name, "prompt_mode": e.prompt_mode,
+                 "render_mode": e.render_mode, "size": f"{e.seeds} puzzles x {n} samples, Pass@{e.pass_k}",
+                 "output": e.out}
+    return info
+
+
+def describe(the_plan: Plan) -> str:
+    """The plan as text: the arms (table rows), then each stage with its status."""
+    status = statuses(the_plan)
+    config = the_plan.config
+    title = (f"spa pipeline: {the_plan.dir} ({config.env.name}, {config.model.name}): {len(the_plan.arms)} arms, "
+             f"{len(the_plan.stages)} stages")
+    lines = [title, "", "arms (rows of table.md):"]
+    for arm in the_plan.arms:
+        lines.append(f"  {arm.name:<26} {arm.label:<40} {' -> '.join(_arm_stages(the_plan.rows[arm.name]))}")
+    lines += ["", "stages, in the order they run:"]
+    for stage in the_plan.stages:
+        info = describe_stage(stage)
+        lines.append(f"  {stage.name}  [{status[stage.name]}]  arms: {', '.join(stage.arms)}")
+        for label, key in (("model", "model"), ("data", "data"), ("env", "env")):
+            if key in info:
+                lines.append(f"      {label:<8} {info[key]}")
+        if "prompt_mode" in info:
+            lines.append(f"      {'prompt':<8} {info['prompt_mode']}, states {info['render_mode']}")
+        lines += [f"      {'size':<8} {info['size']}", f"      {'output':<8} {info['output']}"]
+    return "\n".join(lines)
+
+
+# ---- running ---------------------------------------------------------------------------------------
+
+
+def stage_inputs(stage: Stage) -> list[Path]:
     """The files a stage reads; their hashes are part of its fingerprint."""
-    if name == "clean":
-        return [Path(config.clean.data)]
-    if name == "sft":
-        return [Path(config.sft.data), artifacts.val_path(config.sft.data)]
-    if name.startswith(("ppo", "eval_")):
-        model = Path(config.model.name)
+    cfg = stage.config
+    if stage.kind == "clean":
+        return [Path(cfg.clean.data)]
+    if stage.kind == "sft":
+        if spa_data.is_hub_dataset(cfg.sft.data):
+            return []
+        data, spa_val = spa_data.locate(cfg.sft.data)
+        return [data, spa_val or artifacts.val_path(data)]
+    if stage.kind in ("ppo", "eval"):
+        model = Path(cfg.model.name)
         return sorted(model.glob("*.safetensors")) if model.is_dir() else []
     return []
 
 
-def fingerprint(name: str, config: SPAConfig) -> str:
-    data = asdict(config)
-    sections = EVAL_SECTIONS if name.startswith("eval_") else SECTIONS[name]
+def fingerprint(stage: Stage) -> str:
+    data = asdict(stage.config)
     content = {
-        "config": {section: data[section] for section in sections},
-        "inputs": {str(p): artifacts.file_sha256(p) for p in stage_inputs(name, config) if p.is_file()},
+        "config": {section: data[section] for section in SECTIONS[stage.kind]},
+        "inputs": {str(p): artifacts.file_sha256(p) for p in stage_inputs(stage) if p.is_file()},
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def stage_outputs(name: str, config: SPAConfig) -> list[Path]:
-    if name == "generate":
-        out = Path(config.generate.out)
-        return [out, out.with_name(out.name + ".manifest.json")]
-    if name == "clean":
-        out = Path(config.clean.out)
-        return [out, artifacts.val_path(out), out.with_name(out.name + ".manifest.json")]
-    if name == "sft":
-        return [Path(config.sft.out)]
-    if name.startswith("ppo"):
-        return [Path(config.ppo.out)]
-    out = Path(config.eval.out)
+def statuses(the_plan: Plan) -> dict[str, str]:
+    """Per stage: "complete" (will be skipped), "resume" or "run". A stage after one that will
+    run runs too (its inputs will change), so its status is "run" whatever was recorded."""
+    path = the_plan.dir / STATE_FILE
+    state = artifacts.read_json(path) if path.is_file() else {}
+    found: dict[str, str] = {}
+    for stage in the_plan.stages:
+        recorded = state.get(stage.name, {})
+        upstream_done = stage.upstream is None or found[stage.upstream.name] == "complete"
+        same = upstream_done and recorded.get("fingerprint") == fingerprint(stage)
+        found[stage.name] = ("complete" if recorded.get("complete") else "resume") if same else "run"
+    return found
+
+
+def stage_outputs(stage: Stage) -> list[Path]:
+    cfg = stage.config
+    if stage.kind == "generate":
+        out = Path(cfg.generate.out)
+        return [out, artifacts.manifest_path(out)]
+    if stage.kind == "clean":
+        out = Path(cfg.clean.out)
+        return [out, artifacts.val_path(out), artifacts.manifest_path(out)]
+    if stage.kind == "sft":
+        return [Path(cfg.sft.out)]
+    if stage.kind == "ppo":
+        return [Path(cfg.ppo.out)]
+    out = Path(cfg.eval.out)
     return [out, *out.parent.glob(f"{out.stem}.*")]
 
 
 def run(config: SPAConfig) -> dict[str, Any]:
-    """Run (or continue) every stage; return the comparison rows and what was skipped."""
+    """Run (or continue) every stage of every arm; return the comparison and what was skipped."""
     from stages.agent.backends import check_backend
 
     console = Console(config.quiet)
     check_backend(config.model, config.rollout)  # a missing vLLM fails now, not after the SFT
-    run_dir = Layout(config.pipeline.dir)
-    run_dir.root.mkdir(parents=True, exist_ok=True)
-    state_path = run_dir.root / STATE_FILE
+    the_plan = plan(config)
+    the_plan.dir.mkdir(parents=True, exist_ok=True)
+    state_path = the_plan.dir / STATE_FILE
     state = artifacts.read_json(state_path) if state_path.is_file() else {}
     skipped = []
-    for name, stage_config in stage_configs(config).items():
-        key = fingerprint(name, stage_config)
-        recorded = state.get(name, {})
+    for stage in the_plan.stages:
+        key = fingerprint(stage)
+        recorded = state.get(stage.name, {})
         if recorded.get("fingerprint") == key and recorded.get("complete"):
-            console.result(f"[pipeline] {name}: complete, skipped")
-            skipped.append(name)
+            console.result(f"[pipeline] {stage.name}: complete, skipped")
+            skipped.append(stage.name)
             continue
         resume = recorded.get("fingerprint") == key  # started with the same settings: continue it
         if not resume:
-            _remove(stage_outputs(name, stage_config))
-        console.result(f"[pipeline] {name}: {'resuming' if resume else 'running'}")
-        state[name] = {"fingerprint": key, "complete": False}
+            _remove(stage_outputs(stage))
+        console.result(f"[pipeline] {stage.name} ({', '.join(stage.arms)}): {'resuming' if resume else 'running'}")
+        state[stage.name] = {"fingerprint": key, "complete": False}
         artifacts.write_json(state_path, state)
-        _runner(name)(stage_config, resume, console)
+        _runner(stage.kind)(copy.deepcopy(stage.config), resume, console)
         _release_memory()
-        state[name]["complete"] = True
+        state[stage.name]["complete"] = True
         artifacts.write_json(state_path, state)
-    table = _write_table(config, run_dir)
+    table = write_table(the_plan)
     console.result(table)
-    return {"dir": str(run_dir.root), "skipped": skipped, "table": table}
+    return {"dir": str(the_plan.dir), "skipped": skipped, "table": table}
 
 
-def _runner(name: str) -> Callable[[SPAConfig, bool, Console], Any]:
+def _runner(kind: str) -> Callable[[SPAConfig, bool, Console], Any]:
     """The stage's run, continuing its earlier output when `resume` (every stage can)."""
     from stages import clean, evaluate, generate, ppo, sft
     from stages.evaluation.tables import print_report
@@ -208,8 +622,8 @@ def _runner(name: str) -> Callable[[SPAConfig, bool, Console], Any]:
         return run_stage
 
     runners = {"generate": resumed(generate, "generate"), "clean": lambda cfg, _, __: clean.run(cfg),
-               "sft": resumed(sft, "sft"), "ppo": resumed(ppo, "ppo"), "ppo_vanilla": resumed(ppo, "ppo")}
-    return runners.get(name, run_eval)
+               "sft": resumed(sft, "sft"), "ppo": resumed(ppo, "ppo"), "eval": run_eval}
+    return runners[kind]
 
 
 def _release_memory() -> None:
@@ -232,28 +646,49 @@ def _remove(paths: list[Path]) -> None:
             path.unlink()
 
 
-def _write_table(config: SPAConfig, run_dir: Layout) -> str:
-    """A Markdown table of the eval reports, like the paper's Table 2: percentages (x10^-2) and,
-    when measured (`eval.state_ppl`), the state perplexity with coordinates."""
+# ---- the table -------------------------------------------------------------------------------------
+
+
+def write_table(the_plan: Plan) -> str:
+    """table.md: one row per arm, like the paper's Table 2 (percent, x10^-2) for this game, with the
+    world-model accuracy, the state perplexity when measured (`eval.state_ppl`: raw grid / with
+    coordinates, the paper's Table 1) and each arm's Pass@1 and Pass@k minus the first arm's, with
+    the 95% interval of `spa eval compare` (the same puzzles resampled for both)."""
     from stages.evaluation.reports import compare_rows
 
-    names = [name for name in evaluated_models(config) if run_dir.report(name).is_file()]
-    rows = compare_rows([run_dir.report(name) for name in names]) if names else []
-    k = rows[0]["k"] if rows else config.eval.pass_k
+    names = [arm.name for arm in the_plan.arms if Path(the_plan.rows[arm.name].config.eval.out).is_file()]
+    rows = compare_rows([the_plan.rows[name].config.eval.out for name in names]) if names else []
+    k = rows[0]["k"] if rows else the_plan.config.eval.pass_k
+    labels = {arm.name: arm.label or arm.name for arm in the_plan.arms}
     with_ppl = any(row["state_ppl_coords"] is not None for row in rows)
-    header = f"| {config.env.name} | Pass@1 | Pass@{k} | observation exact | prediction exact | prediction cells |"
-    lines = [header + (" state PPL |" if with_ppl else ""), "|---" * (6 + with_ppl) + "|"]
+    first = labels[names[0]] if names else "the first arm"
+    header = [the_plan.config.env.name, "Pass@1", f"Pass@{k}", "observation exact", "prediction exact",
+              "prediction cells", *(["state PPL raw / coords"] if with_ppl else []),
+              f"Pass@1 vs {first} [95%]", f"Pass@{k} vs {first} [95%]"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, row in zip(names, rows):
         figures = [_percent(row[key]) for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
                                                   "prediction_cells")]
         if with_ppl:
-            figures.append("n/a" if row["state_ppl_coords"] is None else f"{row['state_ppl_coords']:.2f}")
-        lines.append(f"| {LABELS[name]} | " + " | ".join(figures) + " |")
+            figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
+        figures += [_difference(row["pass@1_vs_first"]), _difference(row["pass@k_vs_first"])]
+        lines.append(f"| {labels[name]} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"
-    with artifacts.atomic_write(run_dir.table) as handle:
+    with artifacts.atomic_write(the_plan.dir / "table.md") as handle:
         handle.write(table)
     return table
 
 
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}"
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _difference(paired: tuple[float, float, float] | None) -> str:
+    if paired is None:
+        return "-"
+    diff, low, high = (100 * value for value in paired)
+    return f"{diff:+.1f} [{low:+.1f}, {high:+.1f}]"

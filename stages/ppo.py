@@ -5,10 +5,12 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
 
 1. **Rollout**: ``rollout.groups x rollout.group_size`` episodes on fresh train seeds (the seed
    counter starts at ``rollout.seed`` and advances by ``groups`` every step), played by the live
-   actor: the hf backend generates with the actor model itself; the vllm backend gets the actor's
-   weights after every update (and after a resume), and on a GPU sleeps during the update, its
-   memory handed to training. An episode's score (the sum of its turn rewards and format
-   penalties) is the reward of its last sampled token.
+   actor with the prompt of ``ppo.prompt_mode`` on the states of ``ppo.render_mode`` (the paper's:
+   base prompt, coordinates): the hf backend generates with the actor model itself; the vllm
+   backend gets the actor's weights after every update (and after a resume), and on a GPU sleeps
+   during the update, its memory handed to training. An episode's score (the sum of its turn
+   rewards and format penalties, plus VAGEN's state rewards with ``ppo.state_reward``) is the
+   reward of its last sampled token. Validation plays the ``eval.*`` prompt and render mode.
 2. **Filter**: keep the ``ppo.filter_ratio`` of groups with the largest reward std (SPA: 8 of 32).
 3. **Old log-probs and values**: a no-grad pass of the actor (and of the frozen reference when
    ``ppo.kl_coef > 0``) and of the critic over the kept episodes. The mean |logp_trainer -
@@ -65,9 +67,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from envs import prompt_modes
 from stages.agent.backends import check_backend, make_backend
-from stages.agent.env_manager import make_env
+from stages.agent.env_manager import check_modes
 from stages.agent.proxy import play
+from stages.agent.states import StateReward
 from stages.common import artifacts
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
@@ -106,7 +110,13 @@ RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch
 def check_config(config: SPAConfig) -> None:
     """Refuse settings PPO cannot run with, each with one line that names the numbers."""
     ppo, rollout = config.ppo, config.rollout
-    make_env(config.env)  # its name and options
+    env = check_modes(config.env, ppo.prompt_mode, ppo.render_mode, "ppo")  # the game, its options and modes
+    if ppo.val_every:
+        check_modes(config.env, config.eval.prompt_mode, config.eval.render_mode, "eval")
+    if ppo.state_reward != "none" and "world_model" not in prompt_modes(env):
+        raise UserError(f"ppo.state_reward={ppo.state_reward} rewards the <observation> and <prediction> of the "
+                        f"world-model prompt, and {config.env.name} has none (no states to reward); set "
+                        "ppo.state_reward=none")
     if rollout.backend not in ("hf", "vllm"):
         raise UserError(f"ppo needs a model backend: rollout.backend must be hf or vllm, got {rollout.backend!r}")
     if rollout.history_window is not None:
@@ -270,6 +280,14 @@ def train_seeds(config: SPAConfig, seed_counter: int) -> list[int]:
     return list(range(start, start + config.rollout.groups))
 
 
+def state_reward(config: SPAConfig) -> StateReward | None:
+    """VAGEN's per-turn state reward, when ``ppo.state_reward`` asks for it."""
+    ppo = config.ppo
+    if ppo.state_reward == "none":
+        return None
+    return StateReward(ppo.state_reward, ppo.observation_weight, ppo.prediction_weight)
+
+
 def rollout_config(config: SPAConfig, step: int):
     """The rollout settings of ``step``: a sampler seed of its own, so that steps differ and a
     resumed run draws the same samples as an uninterrupted one."""
@@ -369,7 +387,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
         step, seed_counter = saved["step"], saved["seed_counter"]
     _forget_validations_after(run_dir.out, step if saved is not None else -1)
     _announce(config, models, step, saved is not None, console)
-    backend = make_backend(config.model, config.rollout, model=actor, tokenizer=tokenizer)
+    backend = make_backend(config.model, config.rollout, prompt_mode=ppo.prompt_mode, model=actor, tokenizer=tokenizer)
     if saved is not None:
         if config.rollout.backend == "vllm":  # the engine loaded model.name's weights, not the restored ones
             backend.load_weights(actor.named_parameters())
@@ -391,7 +409,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
             with timer("rollout"), _autocast(models.actor_engine):
                 _reset_caches(backend)
                 episodes = play(config.env, rollout_config(config, step), backend, seeds, config.rollout.group_size,
-                                model=config.model.name)
+                                prompt_mode=ppo.prompt_mode, render_mode=ppo.render_mode, model=config.model.name,
+                                state_reward=state_reward(config))
             # 2. keep the groups whose rewards differ the most
             scores, groups = [e.total_reward for e in episodes], [e.group for e in episodes]
             kept = [episodes[i] for i in algos.filter_groups(scores, groups, ppo.filter_ratio)]
@@ -445,9 +464,9 @@ def _announce(config: SPAConfig, models: Models, step: int, resumed: bool, conso
     ppo, rollout = config.ppo, config.rollout
     engine = f"ZeRO-{ppo.zero_stage}" if ppo.zero_stage else "plain torch"
     where = f"resuming after step {step}" if resumed else "from the start"
-    console.say(f"ppo: {config.model.name} on {config.env.name}, {ppo.steps} steps of {rollout.groups}x"
-                f"{rollout.group_size} episodes ({ppo.advantage}, loss mask {ppo.loss_mask}), {rollout.backend} "
-                f"rollouts, {engine} on {models.dist.device}; {where}")
+    console.say(f"ppo: {config.model.name} on {config.env.name} ({ppo.prompt_mode} prompt, {ppo.render_mode} "
+                f"states), {ppo.steps} steps of {rollout.groups}x{rollout.group_size} episodes ({ppo.advantage}, "
+                f"loss mask {ppo.loss_mask}), {rollout.backend} rollouts, {engine} on {models.dist.device}; {where}")
 
 
 def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:

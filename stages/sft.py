@@ -3,6 +3,10 @@
     sft.jsonl (spa clean) + model  ->  OUT/epoch-{k}/, OUT/final/, OUT/metrics.jsonl,
                                        OUT/trainer_state/, OUT/manifest.json
 
+`sft.data` may also be SPA's released data: a `wm_train.parquet` (its `wm_val.parquet` beside it is
+the validation data) or a hub dataset id such as `tyzhu/SPA-sokoban-data`, downloaded where the
+network allows (`stages.common.spa_data`); each of its rows trains its response.
+
 Each epoch shuffles the rows with (seed, epoch) and cuts them into global batches of
 `global_batch` rows. One optimizer step runs this rank's micro-batches
 (`stages.training.sft_data`: one row each on CPU/SDPA, packed rows under flash-attention 2), adds
@@ -38,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import artifacts
+from stages.common import artifacts, spa_data
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -68,13 +72,17 @@ def run(config: SPAConfig, dry_run: bool = False) -> dict:
     cfg, console = config.sft, Console(config.quiet)
     if cfg.lora_rank > 0 and cfg.zero_stage == 3:
         raise UserError("LoRA with ZeRO-3 is not supported; use --set sft.zero_stage=2 (LoRA weights are small)")
-    if not Path(cfg.data).is_file():
+    data, spa_val = spa_data.locate(cfg.data)
+    if not data.is_file():
         raise UserError(f"training data {cfg.data} does not exist; write it with `spa clean`")
+    if str(data) != cfg.data:  # a hub dataset, downloaded: the run records (and hashes) the local file
+        config = dataclasses.replace(config, sft=dataclasses.replace(cfg, data=str(data)))
+        cfg = config.sft
     tokenizer = _tokenizer(config.model)
     train, stats = _load(cfg.data, tokenizer, cfg, "training data")
     if dry_run:
         return _dry_run(Path(cfg.out), train, stats, tokenizer, console)
-    val_file = _val_file(cfg)
+    val_file = _val_file(cfg, spa_val)
     val = _load(val_file, tokenizer, cfg, "validation data")[0] if val_file else []
     run_dir = RunDir(cfg.out, "sft")
     resuming = run_dir.check(settings(config), cfg.resume, scratch=(DRY_RUN_FILE,))
@@ -108,18 +116,20 @@ def _tokenizer(model_config):
 
 
 def _load(path, tokenizer, cfg, what: str) -> tuple[list[Example], DataStats]:
-    examples, stats = tokenize_rows(read_rows(path, what), tokenizer, cfg.max_length, cfg.mask_states)
+    examples, stats = tokenize_rows(read_rows(path, what), tokenizer, cfg.max_length, cfg.state_text)
     if not examples:
         raise UserError(f"no row of {path} has a trained token within max_length {cfg.max_length} "
                         f"({stats.dropped_empty} rows dropped); raise sft.max_length or check 'train' flags")
     return examples, stats
 
 
-def _val_file(cfg) -> Path | None:
+def _val_file(cfg, spa_val: Path | None) -> Path | None:
     if cfg.val_data:
         if not Path(cfg.val_data).is_file():
             raise UserError(f"validation data {cfg.val_data} does not exist")
         return Path(cfg.val_data)
+    if spa_val is not None:  # SPA's wm_val.parquet beside its wm_train.parquet
+        return spa_val
     default = artifacts.val_path(cfg.data)  # spa clean writes it, possibly empty (val_fraction 0)
     return default if default.is_file() and default.read_text(encoding="utf-8").strip() else None
 

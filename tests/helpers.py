@@ -15,3 +15,44 @@ def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, head
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def _no_states_game():
+    import random
+    from typing import ClassVar
+
+    from envs import TextGameEnv
+
+    class NoStatesGame(TextGameEnv):
+        """A game with no world-model prompt and no coordinates: say Stop. There is no state for the
+        agent to write, so no VAGEN reward, and only the base prompt on the plain text."""
+
+        name: ClassVar[str] = "no_states"
+        action_names: ClassVar[tuple[str, ...]] = ("Stop",)
+        metadata: ClassVar[dict] = {"render_modes": ["text"]}
+        prompt_modes: ClassVar[tuple[str, ...]] = ("base",)
+        instructions: ClassVar[dict[str, str]] = {"base": "Say Stop."}
+        max_actions_per_traj: ClassVar[int] = 1
+
+        def __init__(self, render_mode: str = "text"):
+            super().__init__(render_mode=render_mode)
+            self.stopped = False
+
+        def _reset(self, rng: random.Random) -> None:
+            self.stopped = False
+
+        def _step(self, action: str) -> tuple[float, bool, bool, dict]:
+            self.stopped = self.parse_action(action) is not None
+            info = {"success": self.stopped, "action_is_valid": self.stopped, "action_is_effective": self.stopped}
+            return float(self.stopped), self.stopped, False, info
+
+        def render_grid(self) -> str:
+            return "stopped" if self.stopped else "waiting"
+
+        def coordinate_line(self) -> str:
+            return ""
+
+    return NoStatesGame
+
+
+NoStatesGame = _no_states_game()

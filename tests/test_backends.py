@@ -318,14 +318,14 @@ def test_random_backend_is_deterministic_per_key():
 def test_make_backend(model, tokenizer):
     config = SPAConfig()
     config.rollout.backend = "random"
-    assert isinstance(make_backend(config.model, config.rollout), RandomBackend)
+    assert isinstance(make_backend(config.model, config.rollout, prompt_mode="base"), RandomBackend)
     config.rollout.backend = "hf"
     config.rollout.batch_size = 7
-    backend = make_backend(config.model, config.rollout, model=model, tokenizer=tokenizer)
+    backend = make_backend(config.model, config.rollout, prompt_mode="base", model=model, tokenizer=tokenizer)
     assert isinstance(backend, HFBackend) and backend.model is model and backend.batch_size == 7
     config.rollout.backend = "nope"
     with pytest.raises(UserError):
-        make_backend(config.model, config.rollout)
+        make_backend(config.model, config.rollout, prompt_mode="base")
 
 
 def test_vllm_missing_is_a_one_line_user_error(monkeypatch):

@@ -47,6 +47,8 @@ PPO = ("ppo", "--model", "{model}", "--out", "{out}/run", "--set", "rollout.grou
 EVAL = ("eval", "--backend", "random", "--seeds", "1", "--pass-k", "1", "--out", "{out}/r.json")
 PIPELINE = ("pipeline", "--dir", "{out}/run")
 CONFIG_SHOW = ("config", "show")
+#: A game with no world-model prompt and no coordinates (tests/helpers.py).
+NO_STATES = "helpers:NoStatesGame"
 WITH_CONFIG = {"generate": GENERATE, "clean": CLEAN, "sft": SFT, "ppo": PPO, "eval": EVAL, "pipeline": PIPELINE,
                "config-show": CONFIG_SHOW}
 
@@ -112,6 +114,12 @@ STAGE_CASES = [
     case("generate-model-is-a-file", GENERATE, "--backend", "hf", "--model", "{file}", says="is not a built-in"),
     case("generate-out-under-a-file", GENERATE, "--out", "{file}/t.jsonl", says="is a file; choose another path"),
     case("generate-out-is-a-dir", GENERATE, "--out", "{ws}", says="is a directory"),
+    case("generate-render-mode-the-game-lacks", GENERATE, "--env", "countdown",
+         says="countdown has no 'coords' render mode (generate.render_mode); its render modes: text; set "
+              "generate.render_mode=text"),
+    case("generate-prompt-mode-the-game-lacks", GENERATE, "--env", NO_STATES, "--render-mode", "text",
+         says=f"{NO_STATES} has no 'world_model' prompt mode (generate.prompt_mode); its prompt modes: base"),
+    case("generate-unknown-render-mode", GENERATE, "--render-mode", "grid", says="generate.render_mode must be one of"),
     case("generate-out-holds-a-run", GENERATE, says="already holds a generate run; add --resume to continue it, "
          "or choose another --out", existing={"t.jsonl": '{"id": "sokoban-10000-0"}\n'}),
     case("generate-out-without-manifest", GENERATE, "--resume", says="has no readable t.jsonl.manifest.json",
@@ -139,6 +147,10 @@ STAGE_CASES = [
     case("clean-random-coordinates-of-beliefs", CLEAN, "--states", "self_belief", "--random-coordinates",
          says="needs clean.states=ground_truth"),
     case("clean-unknown-unit", CLEAN, "--unit", "row", says="clean.unit must be one of"),
+    case("clean-parquet-without-prompt", CLEAN, "--data", "{ws}/no-prompt.parquet",
+         says="no-prompt.parquet is not SPA's SFT data: it has no prompt column"),
+    case("clean-spa-data-with-random-coordinates", CLEAN, "--data", "{ws}/wm_train.parquet",
+         "--random-coordinates", says="clean.random_coordinates needs trajectories from `spa generate`"),
     # sft
     case("sft-data-missing", SFT, "--data", "{ws}/missing.jsonl", says="missing.jsonl does not exist"),
     case("sft-data-empty", SFT, "--data", "{ws}/empty.jsonl", says="has no rows"),
@@ -148,6 +160,12 @@ STAGE_CASES = [
     case("sft-data-messages-not-a-list", SFT, "--data", "{ws}/wrong-types.jsonl", says="'messages' must be a non-empty"),
     case("sft-data-unknown-role", SFT, "--data", "{ws}/bad-role.jsonl", says="has role 'wizard'"),
     case("sft-data-no-assistant", SFT, "--data", "{ws}/no-assistant.jsonl", says="has no assistant message"),
+    case("sft-data-parquet-without-response", SFT, "--data", "{ws}/wm_train.parquet",
+         says="wm_train.parquet is not SPA's SFT data: it has no response column"),
+    case("sft-data-not-parquet", SFT, "--data", "{ws}/bad.parquet", says="as parquet"),
+    case("sft-data-hub-offline", SFT, "--data", "spa-test/no-such-dataset",
+         says="cannot get the dataset 'spa-test/no-such-dataset' from the Hugging Face hub"),
+    case("sft-unknown-state-text", SFT, "--state-text", "hidden", says="sft.state_text must be one of"),
     case("sft-zero-epochs", SFT, "--epochs", "0", says="sft.epochs must be >= 1"),
     case("sft-zero-global-batch", SFT, "--set", "sft.global_batch=0", says="sft.global_batch must be >= 1"),
     case("sft-zero-lr", SFT, "--set", "sft.lr=0", says="sft.lr must be > 0"),
@@ -172,6 +190,13 @@ STAGE_CASES = [
     case("ppo-negative-val-every", PPO, "--set", "ppo.val_every=-1", says="ppo.val_every must be >= 0"),
     case("ppo-float16", PPO, "--set", "model.dtype=float16", says="float32 or bfloat16"),
     case("ppo-unknown-env", PPO, "--env", "nope", says="unknown env 'nope'"),
+    case("ppo-render-mode-the-game-lacks", PPO, "--env", "countdown",
+         says="countdown has no 'coords' render mode (ppo.render_mode)"),
+    case("ppo-state-reward-on-a-game-without-states", PPO, "--env", NO_STATES, "--render-mode", "text",
+         "--set", "eval.render_mode=text", "--set", "ppo.state_reward=exact",
+         says=f"rewards the <observation> and <prediction> of the world-model prompt, and {NO_STATES} has none"),
+    case("ppo-validation-modes-the-game-lacks", PPO, "--env", "countdown", "--render-mode", "text",
+         says="countdown has no 'coords' render mode (eval.render_mode)"),
     case("ppo-model-missing", PPO, "--model", "{ws}/nothing", says="is not a built-in"),
     case("ppo-model-pickled", PPO, "--model", "{ws}/pickled-model", says="only pickled weights"),
     case("ppo-out-is-a-file", PPO, "--out", "{file}", says="is a file; ppo writes a directory"),
@@ -186,7 +211,11 @@ STAGE_CASES = [
     case("eval-k-not-a-number", EVAL, "--pass-k", "1.5", says="Invalid value for '--pass-k'"),
     case("eval-negative-temperature", EVAL, "--temperature", "-1", says="rollout.temperature must be >= 0"),
     case("eval-unknown-env", EVAL, "--env", "nope", says="unknown env 'nope'"),
-    case("eval-unknown-render-mode", EVAL, "--render-mode", "xx", says="env.render_mode must be one of"),
+    case("eval-unknown-render-mode", EVAL, "--render-mode", "xx", says="eval.render_mode must be one of"),
+    case("eval-render-mode-the-game-lacks", EVAL, "--env", "countdown",
+         says="countdown has no 'coords' render mode (eval.render_mode)"),
+    case("eval-prompt-mode-the-game-lacks", EVAL, "--env", NO_STATES, "--render-mode", "text", "--prompt-mode",
+         "world_model", says=f"{NO_STATES} has no 'world_model' prompt mode (eval.prompt_mode)"),
     case("eval-model-missing", EVAL, "--backend", "hf", "--model", "{ws}/nothing", says="is not a built-in"),
     case("eval-model-pickled", EVAL, "--backend", "hf", "--model", "{ws}/pickled-model", says="only pickled weights"),
     case("eval-out-under-a-file", EVAL, "--out", "{file}/r.json", says="is a file; choose another path"),
@@ -207,11 +236,26 @@ STAGE_CASES = [
     case("pipeline-dir-under-a-file", PIPELINE, "--dir", "{file}/run", says="Not a directory"),
     case("pipeline-unknown-data-policy", PIPELINE, "--set", "pipeline.data_policy=human",
          says="pipeline.data_policy must be one of"),
+    case("pipeline-unknown-arm", PIPELINE, "--set", "pipeline.arms=[base, spaa]",
+         says="pipeline.arms[1]: unknown arm 'spaa'; built-in arms: base,"),
+    case("pipeline-arm-like-an-unknown-arm", PIPELINE, "--set", "pipeline.arms=[{name: mine, like: vagn}]",
+         says="pipeline.arms[0].like: unknown arm 'vagn'"),
+    case("pipeline-arm-unknown-model", PIPELINE, "--set", "pipeline.arms=[{name: mine, model: {ws}/nothing}]",
+         says="arm mine: model '"),
+    case("pipeline-unknown-model", PIPELINE, "--set", "model.name={ws}/nothing", says="is not a built-in name"),
+    case("pipeline-arm-render-mode-the-game-lacks", PIPELINE, "--set", "env.name=countdown", "--set",
+         "pipeline.arms=[vanilla_rl, state_estimation_rl]",
+         says="arm state_estimation_rl: countdown has no 'coords' render mode (ppo.render_mode)"),
+    case("pipeline-vagen-on-a-game-without-states", PIPELINE, "--set", f"env.name={NO_STATES}", "--set",
+         "pipeline.arms=[vagen]", says=f"arm vagen: {NO_STATES} has no 'world_model' prompt mode (ppo.prompt_mode)"),
+    case("pipeline-arm-sft-data-missing", PIPELINE, "--set", "pipeline.arms=[{name: mine, like: spa, "
+         "sft_data: {ws}/missing.parquet}]", says="missing.parquet does not exist; give an SFT file"),
+    case("pipeline-json-without-dry-run", PIPELINE, "--json", says="--json prints the plan; use it with --dry-run"),
     case("play-unknown-env", ("play", "--env", "nope"), says="unknown env 'nope'"),
     case("play-not-an-action", ("play", "--actions", "Up || Jump"), says="not an action in sokoban: 'Jump'"),
     case("play-negative-seed", ("play", "--seed", "-1"), says="--seed must be >= 0"),
     case("play-seed-not-a-number", ("play", "--seed", "x"), says="Invalid value for '--seed'"),
-    case("play-unknown-render-mode", ("play", "--render-mode", "xx"), says="render_mode must be one of"),
+    case("play-unknown-render-mode", ("play", "--render-mode", "xx"), says="sokoban has no render mode 'xx'"),
     case("envs-unknown-option", ("envs", "--all"), says="No such option: --all"),
     case("unknown-command", ("trian",), says="No such command 'trian'"),
 ]
@@ -265,6 +309,9 @@ def write_bad_files(ws: Path, model: Path) -> None:
     for name, text in files.items():
         (ws / name).write_text(text, encoding="utf-8")
     (ws / "latin1.jsonl").write_bytes('{"id": "caf\u00e9"}\n'.encode("latin-1"))
+    write_parquet(ws / "wm_train.parquet", {"prompt": [[{"role": "user", "content": "hi"}]]})
+    write_parquet(ws / "no-prompt.parquet", {"response": ["<think> </think> <answer>Up</answer>"]})
+    (ws / "bad.parquet").write_text("prompt,response\n")
     pickled = ws / "pickled-model"
     pickled.mkdir()
     shutil.copy(model / "config.json", pickled)
@@ -275,6 +322,14 @@ def write_bad_files(ws: Path, model: Path) -> None:
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         (bare / name).symlink_to(model / name)
+
+
+def write_parquet(path: Path, columns: dict[str, list]) -> None:
+    """A parquet file with these columns (SPA's released data has prompt and response)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
 
 
 def fill(args: tuple[str, ...] | list[str], paths: dict[str, str], out: Path) -> list[str]:

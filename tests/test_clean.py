@@ -8,7 +8,7 @@ import re
 import pytest
 
 from stages import clean
-from stages.agent.parsing import replace_states
+from stages.agent.parsing import parse_response, replace_states, well_formed
 from stages.common import artifacts
 from stages.common.config import SPAConfig
 from stages.common.errors import UserError
@@ -26,7 +26,8 @@ def wm(obs: str, thoughts: str, pred: str, answer: str) -> str:
 
 def trajectory(tid: str, turns: list[tuple[str, str, str]], success: bool = False, mode: str = "world_model",
                seed: int = 1) -> dict:
-    """A trajectory line: turns are (state, response, next_state); messages follow the rollout layout."""
+    """A trajectory line: turns are (state, response, next_state); messages follow the rollout layout,
+    and each turn's `format_ok` is what the rollout's parser says of its response."""
     messages = [{"role": "system", "content": "You're a helpful assistant. "},
                 {"role": "user", "content": f"Instruction\nTurn 1:\nState:\n{turns[0][0]}\n"}]
     for k, (_, response, next_state) in enumerate(turns):
@@ -36,7 +37,8 @@ def trajectory(tid: str, turns: list[tuple[str, str, str]], success: bool = Fals
             messages.append({"role": "user", "content": user})
     return {
         "id": tid, "env": "sokoban", "seed": seed, "group": 0, "sample": 0, "prompt_mode": mode, "model": "m",
-        "turns": [{"state": s, "response": r, "next_state": n, "format_ok": True} for s, r, n in turns],
+        "turns": [{"state": s, "response": r, "next_state": n,
+                   "format_ok": parse_response(r.removeprefix("<think>"), mode).format_ok} for s, r, n in turns],
         "messages": messages, "success": success, "total_reward": 0.0, "format_penalty": 0.0,
     }
 
@@ -157,6 +159,30 @@ def test_filters(tmp_path):
     assert summary["dropped_rows"] == {"format": 0, "duplicate": 0}
 
 
+def test_the_format_filter_keeps_only_turns_whose_answer_was_executed(tmp_path):
+    """Text between </prediction> and </think> passes SPA's tag check but not the rollout's parser:
+    the answer never ran, so the state did not change, and the ground-truth replacement would teach
+    "prediction = observation" under an answer that moves. The filter drops the turn."""
+    chatty = ("<think> <observation>o</observation> I push right. <prediction>p</prediction> I am sure. "
+              "</think> <answer>Right</answer>")
+    assert parse_response(chatty.removeprefix("<think>")).format_ok is False
+    assert well_formed(chatty)  # what SPA's filter_sft_by_tag.py alone would keep
+    episode = trajectory("sokoban-5-0", [(S0, chatty, S0), (S0, wm("a", "right", "b", "Right"), S1)], seed=5)
+    assert [turn["format_ok"] for turn in episode["turns"]] == [False, True]
+    summary = clean.run(config_for(tmp_path, [episode], unit="turn"))
+    [row] = read_rows(tmp_path / "sft.jsonl")
+    assert row["id"] == "sokoban-5-0-turn2" and summary["dropped_rows"]["format"] == 1
+    # in trajectory rows it stays as context, untrained
+    clean.run(config_for(tmp_path, [episode]))
+    [row] = read_rows(tmp_path / "sft.jsonl")
+    assert [train for _, train in assistant(row)] == [False, True]
+    # without the filter it trains, and teaches the prediction "nothing moved" under "Right"
+    clean.run(config_for(tmp_path, [episode], filter_format=False))
+    [row] = read_rows(tmp_path / "sft.jsonl")
+    first, trained = assistant(row)[0]
+    assert trained and first == chatty.replace(">o<", f">{S0}<").replace(">p<", f">{S0}<")
+
+
 def test_base_mode_format_filter(tmp_path):
     base = trajectory("sokoban-4-0", [(S0, "<think> go </think> <answer>Up</answer>", S1)], mode="base")
     summary = clean.run(config_for(tmp_path, [base]))
@@ -199,6 +225,9 @@ def test_random_coordinates(tmp_path):
     assert observations != truth  # (fixed seed: at least one number moved)
     # one state, one rewrite: turn t's prediction is turn t+1's observation
     assert predictions[0] == observations[1] and predictions[1] == observations[2]
+    # what the model is trained to write is randomised; the prompt (the game's own states) is not
+    assert [m for m in first["messages"] if m["role"] != "assistant"] == [
+        m for m in A["messages"] if m["role"] != "assistant"]
     clean.run(config)
     assert read_rows(config.clean.out)[0] == first  # seeded
 

@@ -61,6 +61,7 @@ def test_envs_lists_the_games(monkeypatch):
     for moves in ("North | South | West | East / 10", "r,c,v (1-indexed) / 50", "one equation / 1",
                   "the final answer / 1"):
         assert moves in result.output
+    assert "world_model, base / coords, text" in result.output and "world_model, base / text " in result.output
 
 
 def test_play_scripted_actions_show_reward_and_state():

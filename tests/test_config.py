@@ -48,8 +48,10 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
 @pytest.mark.parametrize("override, message", [
     ("rollout.grups=3", r"unknown config key 'rollout.grups'; valid keys here: backend, .* Did you mean 'groups'\?"),
     ("rolout.groups=3", r"unknown config key 'rolout'; .* Did you mean 'rollout'\?"),
-    ("rollout.prompt_mode=world", (r"rollout.prompt_mode must be one of world_model, base; got 'world'. "
-                                   r"Did you mean 'world_model'\?")),
+    ("eval.prompt_mode=world", (r"eval.prompt_mode must be one of world_model, base; got 'world'. "
+                                r"Did you mean 'world_model'\?")),
+    ("rollout.prompt_mode=base", r"unknown config key 'rollout.prompt_mode'"),  # each stage has its own
+    ("env.render_mode=text", r"unknown config key 'env.render_mode'"),
     ("rollout.groups=many", r"rollout.groups must be an integer, got 'many' \(str\)"),
     ("quiet=1", r"quiet must be true or false"),
     ("sft.betas=0.9", r"sft.betas must be a list"),

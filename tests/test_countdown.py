@@ -142,10 +142,13 @@ def test_repeated_numbers_may_each_be_used_once():
     assert reward == 1.0 and info["action_is_valid"]
 
 
-def test_no_coordinates_in_either_render_mode():
-    coords, text = CountdownEnv(render_mode="coords"), CountdownEnv(render_mode="text")
-    assert coords.reset(seed=3)[0] == text.reset(seed=3)[0] == coords.render_text(coordinates=False)
-    assert "\n" not in coords.render()
+def test_no_coordinates_so_only_the_text_render():
+    text = CountdownEnv()
+    assert text.render_mode == "text"
+    assert text.reset(seed=3)[0] == text.render_text(coordinates=True) == text.render_text(coordinates=False)
+    assert "\n" not in text.render()
+    with pytest.raises(EnvError, match="countdown has no render mode 'coords'; its render modes: text"):
+        CountdownEnv(render_mode="coords")
 
 
 def test_use_before_reset_is_refused():

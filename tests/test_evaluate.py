@@ -125,7 +125,7 @@ def test_report_records_every_setting(scripted_report):
     assert report["format"] == reports.REPORT_FORMAT and report["format_version"] == reports.REPORT_VERSION
     expected = {
         "model": "my-org/my-model", "backend": "hf", "env": "sokoban", "env_options": {},
-        "render_mode": "coords", "prompt_mode": "world_model", "seeds": 4, "first_seed": FIRST_SEED,
+        "render_mode": "coords", "prompt_mode": "base", "seeds": 4, "first_seed": FIRST_SEED,
         "n": N, "k": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 400, "max_turns": 5,
         "max_actions_per_turn": 5, "max_actions_per_traj": 10, "history_window": None, "format_penalty": -0.1,
         "sample_seed": 0, "state_ppl": False,
@@ -144,15 +144,17 @@ def test_defaults_are_the_papers_protocol(tmp_path):
 
 
 def test_settings_from_the_config_reach_the_rollout(tmp_path):
-    config = eval_config(tmp_path, "env.render_mode=text", "rollout.prompt_mode=base", "eval.first_seed=200",
+    config = eval_config(tmp_path, "eval.render_mode=text", "eval.prompt_mode=world_model", "eval.first_seed=200",
                          "eval.seeds=2", "eval.n=2", "eval.pass_k=2", "rollout.max_turns=2")
     backend = ScriptedBackend({})
     report = evaluate.run(config, backend=backend)
     rows = [json.loads(line) for line in Path(report["trajectories"]).read_text().splitlines()]
     assert sorted({row["seed"] for row in rows}) == [200, 201]
-    assert all(row["prompt_mode"] == "base" and len(row["turns"]) == 2 for row in rows)
+    assert all(row["prompt_mode"] == "world_model" and len(row["turns"]) == 2 for row in rows)
+    assert all(row["render_mode"] == "text" for row in rows)
     assert all("Player" not in turn["state"] for row in rows for turn in row["turns"])  # no coordinate line
     assert report["settings"]["render_mode"] == "text" and report["metrics"]["pass@1"] == 0.0
+    assert report["settings"]["prompt_mode"] == "world_model"
 
 
 def test_an_interrupted_eval_resumes_and_other_settings_are_refused(tmp_path):
@@ -273,8 +275,23 @@ def test_compare_gives_each_report_minus_the_first_over_shared_puzzles(tmp_path)
     assert f"+18.8 [{100 * low:+.1f}, {100 * high:+.1f}]" in console.export_text()
 
 
+def test_compare_puts_arms_with_other_prompts_and_renders_side_by_side(tmp_path):
+    """The paper's arms differ in what the model is shown (Vanilla RL: raw grid; VAGEN: the
+    world-model prompt); their reports compare, and the table says which is which."""
+    from rich.console import Console
+
+    a = write_report(tmp_path, "a.json", 0.1, 0.2, prompt_mode="base", render_mode="text")
+    b = write_report(tmp_path, "b.json", 0.3, 0.4, prompt_mode="world_model", render_mode="coords")
+    rows = reports.compare_rows([a, b])
+    assert [(r["prompt_mode"], r["render_mode"]) for r in rows] == [("base", "text"), ("world_model", "coords")]
+    console = Console(width=200, record=True)
+    console.print(tables.compare([a, b]))
+    text = console.export_text()
+    assert "base, text" in text and "world_model, coords" in text
+
+
 @pytest.mark.parametrize("setting, value", [("temperature", 0.7), ("env", "sudoku"), ("n", 16),
-                                            ("render_mode", "text"), ("seeds", 64)])
+                                            ("max_turns", 3), ("seeds", 64)])
 def test_compare_refuses_different_settings_unless_forced(tmp_path, setting, value):
     a = write_report(tmp_path, "a.json", 0.1, 0.2)
     b = write_report(tmp_path, "b.json", 0.3, 0.4, **{setting: value})
@@ -343,7 +360,8 @@ def test_state_perplexity_protocol(tokenizer, tiny_model_dir):
     from stages.agent import prompts
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    result = state_perplexity(model, tokenizer, EnvConfig(name="sokoban"), [123], random_actions=0)
+    result = state_perplexity(model, tokenizer, EnvConfig(name="sokoban"), [123], prompt_mode="world_model",
+                              random_actions=0)
     raw, coords = result["raw"], result["coords"]
     assert raw["states"] == coords["states"] == 1
     assert coords["tokens"] > raw["tokens"] > 0
@@ -372,8 +390,9 @@ def test_state_perplexity_averages_over_tokens_of_all_states(tokenizer, tiny_mod
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    one = [state_perplexity(model, tokenizer, EnvConfig(name="sudoku"), [seed]) for seed in (123, 124)]
-    both = state_perplexity(model, tokenizer, EnvConfig(name="sudoku"), [123, 124])
+    one = [state_perplexity(model, tokenizer, EnvConfig(name="sudoku"), [seed], prompt_mode="base")
+           for seed in (123, 124)]
+    both = state_perplexity(model, tokenizer, EnvConfig(name="sudoku"), [123, 124], prompt_mode="base")
     for view in ("raw", "coords"):
         nll = sum(r[view]["nll"] * r[view]["tokens"] for r in one)
         tokens = sum(r[view]["tokens"] for r in one)
@@ -456,7 +475,7 @@ def test_cli_compare_refuses_then_forces(tmp_path):
 
 def random_eval_config(out):
     return load_config(None, [f"eval.out={out}", "rollout.backend=random", "eval.seeds=3", "eval.n=2",
-                              "eval.pass_k=2", "quiet=true", "env.name=frozen_lake"])
+                              "eval.pass_k=2", "quiet=true", "env.name=frozen_lake", "eval.prompt_mode=world_model"])
 
 
 def test_random_backend_end_to_end(tmp_path):

@@ -225,12 +225,12 @@ def test_the_sft_reader_takes_rows_or_says_why(tmp_path, record_property):
 
     @at_scale(2_000)
     @given(st.lists(lines, min_size=1, max_size=4), st.booleans())
-    def check(file_lines, mask_states):
+    def check(file_lines, state_text):
         tried()
         path.write_text("\n".join(file_lines) + "\n")
         try:
             found = sft_data.read_rows(path)
-            examples, stats = sft_data.tokenize_rows(found, tokenizer, 512, mask_states)
+            examples, stats = sft_data.tokenize_rows(found, tokenizer, 512, state_text)
         except UserError:
             return
         assert stats.kept == len(examples) and all(len(ex.mask) == len(ex.input_ids) <= 512 for ex in examples)
@@ -250,7 +250,8 @@ def played() -> list[dict]:
     for env in ("sokoban", "frozen_lake", "sudoku"):
         config = SPAConfig()
         config.env.name, config.rollout.max_turns = env, 3
-        found += [episode.to_json() for episode in play(config.env, config.rollout, RandomBackend(), [1, 2], 2)]
+        found += [episode.to_json() for episode in play(config.env, config.rollout, RandomBackend("world_model"),
+                                                        [1, 2], 2, prompt_mode="world_model", render_mode="coords")]
     return found
 
 

@@ -38,11 +38,17 @@ def game_options(name: str, questions_file: str) -> dict:
     return {"path": questions_file} if name == "qa" else {}
 
 
+def render_mode(name: str) -> str:
+    """Countdown and QA have no coordinates; the others render them."""
+    return "text" if name in ("countdown", "qa") else "coords"
+
+
 def pipeline_config(tmp_path, name: str, options: dict) -> SPAConfig:
     config = SPAConfig()
     config.quiet = True
     config.env.name, config.env.options = name, options
     config.rollout.backend = "random"
+    config.generate.render_mode = render_mode(name)
     config.rollout.groups, config.rollout.group_size = 3, 2
     config.generate.out = str(tmp_path / "trajectories.jsonl")
     config.clean.data, config.clean.out = config.generate.out, str(tmp_path / "sft.jsonl")
@@ -56,7 +62,7 @@ def read_rows(path) -> list[dict]:
 
 def replayed_states(name: str, options: dict, trajectory: dict) -> list[tuple[str, str]]:
     """(state, next_state) of each turn, from the env replaying the turn's executed actions."""
-    env = envs.make(name, **options)
+    env = envs.make(name, render_mode=render_mode(name), **options)
     env.reset(seed=trajectory["seed"])
     states = []
     for turn in trajectory["turns"]:
@@ -130,7 +136,8 @@ def test_world_model_accuracy_on_other_symbols():
 def test_random_baseline_eval_runs_on_every_new_game(tmp_path, name, questions_file):
     options = game_options(name, questions_file)
     sets = [f"eval.out={tmp_path / 'report.json'}", "rollout.backend=random", "eval.seeds=2", "eval.n=2",
-            "eval.pass_k=2", "quiet=true", f"env.name={name}"]
+            "eval.pass_k=2", "quiet=true", f"env.name={name}", "eval.prompt_mode=world_model",
+            f"eval.render_mode={render_mode(name)}"]
     sets += [f"env.options.{key}={value}" for key, value in options.items()]
     report = evaluate.run(load_config(None, sets))
     figures = report["metrics"]

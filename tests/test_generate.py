@@ -204,8 +204,9 @@ def test_hf_backend_token_bookkeeping(tmp_path, tiny_model_dir, tokenizer):
     config.model.name, config.model.device = str(tiny_model_dir), "cpu"
     tok = tokenizer
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    backend = make_backend(config.model, config.rollout, model=model, tokenizer=tok)
-    episodes = play(config.env, config.rollout, backend, [10000], 2, model=config.model.name)
+    backend = make_backend(config.model, config.rollout, prompt_mode="world_model", model=model, tokenizer=tok)
+    episodes = play(config.env, config.rollout, backend, [10000], 2, prompt_mode="world_model", render_mode="coords",
+                    model=config.model.name)
     for episode in episodes:
         assert episode.single_sequence and len(episode.turn_spans) == len(episode.turns) == 3
         assert len(episode.response_mask) == len(episode.token_ids)

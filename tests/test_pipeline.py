@@ -1,21 +1,257 @@
-"""`spa pipeline` end to end on a tiny random model: every artifact, the Table-2-like summary,
-skipping completed stages, rerunning what a changed setting touches, and continuing after a crash."""
+"""`spa pipeline`: each arm's resolved settings, the shared stages and their ids, the dry run, and
+the whole run end to end on a tiny random model (artifacts, the Table-2-like summary with paired
+differences, skipping completed stages, rerunning what a changed setting touches, continuing
+after a crash)."""
 
 import json
 
 import pytest
+from typer.testing import CliRunner
 
+from spa_cli.main import app
 from stages import pipeline
-from stages.common.config import load_config
+from stages.common.config import PAPER_ARMS, load_config
+from stages.common.errors import UserError
+from stages.evaluation import metrics
 
-STAGES = ["generate", "clean", "sft", "ppo", "ppo_vanilla", "eval_base", "eval_vanilla_ppo", "eval_sft",
-          "eval_spa"]
+BASE = "smollm2-135m"
+
+
+def plan_of(*arms, sets=()):
+    arm_list = "[" + ", ".join(arms) + "]"
+    return pipeline.plan(load_config(None, [f"pipeline.arms={arm_list}", "pipeline.dir=/nonexistent/run", *sets]))
+
+
+def chain(the_plan, arm):
+    """The arm's stages as (name, facts): what each starts from and shows the model."""
+    facts = []
+    stage = the_plan.rows[arm]
+    while stage is not None:
+        cfg = stage.config
+        fact = {"model": cfg.model.name}
+        if stage.kind == "generate":
+            fact |= {"modes": (cfg.generate.prompt_mode, cfg.generate.render_mode), "backend": cfg.rollout.backend}
+        if stage.kind == "clean":
+            fact = {"states": cfg.clean.states, "random_coordinates": cfg.clean.random_coordinates,
+                    "filter_format": cfg.clean.filter_format, "data": cfg.clean.data}
+        if stage.kind == "sft":
+            fact |= {"epochs": cfg.sft.epochs, "state_text": cfg.sft.state_text, "data": cfg.sft.data}
+        if stage.kind == "ppo":
+            fact |= {"modes": (cfg.ppo.prompt_mode, cfg.ppo.render_mode), "state_reward": cfg.ppo.state_reward}
+        if stage.kind == "eval":
+            fact |= {"modes": (cfg.eval.prompt_mode, cfg.eval.render_mode)}
+        facts.insert(0, (stage.name, fact))
+        stage = stage.upstream
+    return facts
+
+
+R = "/nonexistent/run"
+SELF_PLAY = ("generate/selfplay", {"model": BASE, "modes": ("world_model", "coords"), "backend": "hf"})
+
+
+def cleaned(name, data="selfplay", states="ground_truth", random_coordinates=False, filter_format=True):
+    return (f"clean/{name}", {"states": states, "random_coordinates": random_coordinates,
+                              "filter_format": filter_format, "data": f"{R}/data/{data}.jsonl"})
+
+
+def tuned(name, clean, epochs=5, state_text="trained"):
+    return (f"sft/{name}", {"model": BASE, "epochs": epochs, "state_text": state_text,
+                            "data": f"{R}/sft_data/{clean}.jsonl"})
+
+
+def rl(name, start, modes=("base", "coords"), state_reward="none"):
+    return (f"ppo/{name}", {"model": start, "modes": modes, "state_reward": state_reward})
+
+
+def evaluated(name, model, modes=("base", "coords")):
+    return (f"eval/{name}", {"model": model, "modes": modes})
+
+
+def spa_like(name, clean="selfplay", sft=None, generate=SELF_PLAY, **options):
+    sft = sft or name
+    clean_options = {k: v for k, v in options.items() if k in ("states", "random_coordinates", "filter_format")}
+    sft_options = {k: v for k, v in options.items() if k in ("epochs", "state_text")}
+    data = generate[0].split("/")[1]
+    modes = options.get("modes", ("base", "coords"))
+    return [generate, cleaned(clean, data, **clean_options), tuned(sft, clean, **sft_options),
+            rl(name, f"{R}/sft/{sft}/final", modes), evaluated(name, f"{R}/ppo/{name}/final", modes)]
+
+
+EXPECTED = {
+    "base": [evaluated("base", BASE, ("base", "text"))],
+    "state_estimation": [evaluated("state_estimation", BASE)],
+    "vanilla_rl": [rl("vanilla_rl", BASE, ("base", "text")),
+                   evaluated("vanilla_rl", f"{R}/ppo/vanilla_rl/final", ("base", "text"))],
+    "state_estimation_rl": [rl("state_estimation_rl", BASE),
+                            evaluated("state_estimation_rl", f"{R}/ppo/state_estimation_rl/final")],
+    "vagen": [rl("vagen", BASE, ("world_model", "coords"), "cells"),
+              evaluated("vagen", f"{R}/ppo/vagen/final", ("world_model", "coords"))],
+    "spa_sft": [SELF_PLAY, cleaned("selfplay"), tuned("spa", "selfplay"),
+                evaluated("spa_sft", f"{R}/sft/spa/final")],
+    "spa": spa_like("spa"),
+    "spa_masked": spa_like("spa_masked", state_text="masked"),
+    "spa_random_coordinates": spa_like("spa_random_coordinates", clean="selfplay_random_coordinates",
+                                       random_coordinates=True),
+    "spa_no_state_estimation": spa_like(
+        "spa_no_state_estimation", clean="selfplay_text", modes=("base", "text"),
+        generate=("generate/selfplay_text", {"model": BASE, "modes": ("world_model", "text"), "backend": "hf"})),
+    "spa_self_belief": spa_like("spa_self_belief", clean="selfplay_self_belief", states="self_belief"),
+    "rand_sft": spa_like("rand_sft", clean="random",
+                         generate=("generate/random", {"model": BASE, "modes": ("world_model", "coords"),
+                                                       "backend": "random"})),
+    "spa_sft_1_epoch": spa_like("spa_sft_1_epoch", epochs=1),
+    "spa_unfiltered": spa_like("spa_unfiltered", clean="selfplay_unfiltered", filter_format=False),
+}
+
+
+def test_every_built_in_arm_resolves_to_the_papers_settings():
+    assert list(EXPECTED) == list(pipeline.BUILT_IN)
+    the_plan = plan_of(*pipeline.BUILT_IN)
+    for arm in pipeline.BUILT_IN:
+        assert chain(the_plan, arm) == EXPECTED[arm], arm
+    # every stage once, upstream before downstream
+    names = [stage.name for stage in the_plan.stages]
+    assert len(names) == len(set(names)) == 42
+    assert all(names.index(s.upstream.name) < names.index(s.name) for s in the_plan.stages if s.upstream)
+    shared = {stage.name: stage.arms for stage in the_plan.stages}
+    assert shared["sft/spa"] == ["spa_sft", "spa"]
+    assert shared["generate/selfplay"] == ["spa_sft", "spa", "spa_masked", "spa_random_coordinates",
+                                           "spa_self_belief", "spa_sft_1_epoch", "spa_unfiltered"]
+    # the plan's own settings: the data is 160 puzzles x 8, PPO and eval as base.yaml says
+    generate = next(s for s in the_plan.stages if s.name == "generate/selfplay").config
+    assert (generate.rollout.groups, generate.rollout.group_size) == (160, 8)
+    assert pipeline.describe_stage(next(s for s in the_plan.stages if s.name == "ppo/vagen"))["size"] == (
+        "1000 steps of 32 x 8 episodes, state reward cells (0.5/0.5)")
+
+
+def test_built_in_arms_pin_what_defines_them():
+    """Config sections give every other setting; they cannot turn SPA into another arm."""
+    the_plan = plan_of(*pipeline.BUILT_IN, sets=["ppo.render_mode=text", "ppo.state_reward=exact",
+                                                 "generate.prompt_mode=base", "eval.render_mode=text",
+                                                 "ppo.steps=7"])
+    assert all(chain(the_plan, arm) == EXPECTED[arm] for arm in pipeline.BUILT_IN)
+    assert {s.config.ppo.steps for s in the_plan.stages if s.kind == "ppo"} == {7}
+
+
+def test_the_default_arms_are_table_2_and_its_step_0_rows():
+    assert load_config(None, []).pipeline.arms == list(PAPER_ARMS)
+    the_plan = pipeline.plan(load_config(None, ["pipeline.dir=/nonexistent/run"]))
+    assert [arm.label for arm in the_plan.arms] == [
+        "base model", "+ State Estimation", "+ Vanilla RL", "+ State Estimation RL", "+ VAGEN", "+ SPA SFT",
+        "+ SPA"]
+    assert len(the_plan.stages) == 14  # 7 evals, 4 PPO runs, one data + clean + SFT for spa_sft and spa
+
+
+def test_a_random_data_policy_plays_the_sft_data_with_random_actions():
+    the_plan = plan_of("spa", "rand_sft", sets=["pipeline.data_policy=random"])
+    generate = the_plan.stages[0]
+    assert generate.name == "generate/selfplay" and generate.config.rollout.backend == "random"
+    # spa's data is then RandSFT data: the same stages as rand_sft's, run once
+    assert [s.name for s in the_plan.stages] == ["generate/selfplay", "clean/selfplay", "sft/spa", "ppo/spa",
+                                                 "eval/spa"]
+    assert the_plan.rows["rand_sft"] is the_plan.rows["spa"]
+
+
+def test_stage_ids_do_not_depend_on_which_arms_are_listed_or_their_order():
+    alone = [s.name for s in plan_of("spa").stages]
+    assert alone == ["generate/selfplay", "clean/selfplay", "sft/spa", "ppo/spa", "eval/spa"]
+    both = plan_of("spa", "spa_sft")
+    assert [s.name for s in both.stages] == [s.name for s in plan_of("spa_sft", "spa").stages]
+    assert [arm.name for arm in both.arms] == ["spa", "spa_sft"]  # the table keeps the listed order
+
+
+def test_a_variant_shares_what_it_does_not_change_and_names_the_rest():
+    variant = "{name: spa_3_epochs, like: spa, set: {sft.epochs: 3}, label: SPA 3 epochs}"
+    for listed in ([variant], ["spa", variant]):
+        the_plan = plan_of(*listed)
+        names = [name for name, _ in chain(the_plan, "spa_3_epochs")]
+        assert names == ["generate/selfplay", "clean/selfplay", "sft/spa_3_epochs", "ppo/spa_3_epochs",
+                         "eval/spa_3_epochs"]
+        assert chain(the_plan, "spa_3_epochs")[2][1]["epochs"] == 3
+    assert the_plan.arms[1].label == "SPA 3 epochs"
+
+
+def test_transfer_plays_the_sft_data_on_another_game():
+    """Easy2Hard (Fig. 9): SFT on FrozenLake 4x4, PPO and eval on 6x6."""
+    the_plan = plan_of("base", "{name: easy2hard, like: spa, data_env: {name: frozen_lake}}",
+                       sets=["env.name=frozen_lake_6x6"])
+    stages = {stage.name: stage.config for stage in the_plan.stages}
+    assert stages["generate/easy2hard"].env.name == "frozen_lake"
+    assert stages["ppo/easy2hard"].env.name == stages["eval/easy2hard"].env.name == "frozen_lake_6x6"
+    assert stages["ppo/easy2hard"].model.name == f"{R}/sft/easy2hard/final"
+
+
+def test_an_arm_can_start_from_a_checkpoint_or_train_on_a_file(tiny_model_dir, tmp_path):
+    data = tmp_path / "wm_train.parquet"
+    data.write_bytes(b"")
+    the_plan = plan_of(f"{{name: released, model: {tiny_model_dir}}}",
+                       f"{{name: spa_released_data, like: spa, sft_data: {data}}}")
+    assert chain(the_plan, "released") == [evaluated("released", str(tiny_model_dir))]
+    assert [name for name, _ in chain(the_plan, "spa_released_data")] == [
+        "sft/spa_released_data", "ppo/spa_released_data", "eval/spa_released_data"]
+    assert the_plan.stages[1].config.sft.data == str(data)
+
+
+@pytest.mark.parametrize("arms, sets, says", [
+    ("[spaa]", [], "pipeline.arms[0]: unknown arm 'spaa'; built-in arms: base, state_estimation"),
+    ("[{name: x, like: vanila_rl}]", [], "pipeline.arms[0].like: unknown arm 'vanila_rl'"),
+    ("[spa, spa]", [], "pipeline.arms[1]: arm 'spa' is listed twice"),
+    ("[{name: spa, set: {sft.epochs: 1}}]", [], "'spa' is a built-in arm; give the variant another name"),
+    ("[{name: x, lke: spa}]", [], "unknown arm key 'lke'; keys: name, like,"),
+    ("[{name: x, like: spa, set: {rollout.groups: 2}}]", [], "'rollout.groups' is not a setting of the arm's"),
+    ("[{name: x, like: spa, set: {sft.out: y}}]", [], "the pipeline sets sft.out itself"),
+    ("[{name: x, like: spa, set: {sft.epoch: 1}}]", [], "arm x: unknown config key 'sft.epoch'"),
+    ("[{name: x, like: spa, set: {eval.seeds: 4}}]", [], "arm x sets eval.seeds; every arm is evaluated"),
+    ("[{name: x, model: /no/such/model}]", [], "arm x: model '/no/such/model' is not a built-in name"),
+    ("[{name: x, like: base, data_env: frozen_lake}]", [], "arm 'x' has no SFT"),
+    ("[vagen]", ["env.name=countdown"], "countdown has no 'coords' render mode (ppo.render_mode)"),
+    ("[state_estimation]", ["env.name=countdown"],
+     "arm state_estimation: countdown has no 'coords' render mode (eval.render_mode)"),
+    ("[spa]", ["ppo.mini_batch=3"], "arm spa: ppo.mini_batch=3 does not divide"),
+    ("[]", [], "pipeline.arms is empty"),
+])
+def test_bad_arms_are_one_line(arms, sets, says):
+    with pytest.raises(UserError) as err:
+        pipeline.plan(load_config(None, [f"pipeline.arms={arms}", "pipeline.dir=/nonexistent/run", *sets]))
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    runner = CliRunner()
+    run_dir = tmp_path / "run"
+    result = runner.invoke(app, ["pipeline", "--dry-run", "--dir", str(run_dir), "--set",
+                                 "pipeline.arms=[base, spa]"])
+    assert result.exit_code == 0, result.output
+    assert not run_dir.exists()
+    text = result.output
+    assert "2 arms, 6 stages" in text
+    assert "  sft/spa  [run]  arms: spa" in text and "160 puzzles x 8 = 1280 episodes" in text
+    assert "prompt   world_model, states coords" in text and "prompt   base, states text" in text
+    result = runner.invoke(app, ["pipeline", "--dry-run", "--json", "--dir", str(run_dir), "--set",
+                                 "pipeline.arms=[base, spa]"])
+    plan = json.loads(result.output)
+    assert [arm["name"] for arm in plan["arms"]] == ["base", "spa"]
+    assert plan["arms"][1]["stages"] == ["generate/selfplay", "clean/selfplay", "sft/spa", "ppo/spa", "eval/spa"]
+    assert plan["stages"][0] == {
+        "name": "eval/base", "kind": "eval", "arms": ["base"], "env": "sokoban", "model": BASE,
+        "prompt_mode": "base", "render_mode": "text", "size": "128 puzzles x 8 samples, Pass@8",
+        "output": str(run_dir / "eval" / "base.json"), "status": "run"}
+    assert not run_dir.exists()
+    result = runner.invoke(app, ["pipeline", "--json"])
+    assert result.exit_code == 2 and "use it with --dry-run" in result.output
+
+
+# ---- end to end, on a tiny model -------------------------------------------------------------------
+
+ARMS = "pipeline.arms=[base, vanilla_rl, spa_sft, spa]"
+STAGES = ["eval/base", "ppo/vanilla_rl", "eval/vanilla_rl", "generate/selfplay", "clean/selfplay", "sft/spa",
+          "eval/spa_sft", "ppo/spa", "eval/spa"]
 
 
 def tiny_pipeline(model_dir, run_dir, *extra):
     return load_config(None, [
-        f"model.name={model_dir}", f"pipeline.dir={run_dir}", "quiet=true",
-        "pipeline.data_policy=random", "pipeline.data_groups=3", "pipeline.vanilla_ppo=true",
+        f"model.name={model_dir}", f"pipeline.dir={run_dir}", "quiet=true", ARMS,
+        "pipeline.data_policy=random", "pipeline.data_groups=3",
         "rollout.groups=2", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=8",
         "clean.val_fraction=0.0",
         "sft.epochs=1", "sft.global_batch=2", "sft.zero_stage=0",
@@ -32,52 +268,65 @@ def finished(tiny_model_dir, tmp_path_factory):
     return run_dir, result
 
 
-def test_every_stage_writes_its_artifacts(finished):
+def test_every_stage_writes_its_artifacts(finished, tiny_model_dir):
     run_dir, result = finished
     assert result["skipped"] == []
-    lines = (run_dir / "trajectories.jsonl").read_text().splitlines()
+    lines = (run_dir / "data" / "selfplay.jsonl").read_text().splitlines()
     assert len(lines) == 6  # data_groups x group_size, played by the random policy
-    assert {json.loads(line)["model"] for line in lines} == {"random"}
-    assert (run_dir / "sft.jsonl").read_text().count("\n") == 6
-    for model in ("sft", "ppo", "ppo_vanilla"):
+    assert {(json.loads(line)["model"], json.loads(line)["prompt_mode"]) for line in lines} == {
+        ("random", "world_model")}
+    assert (run_dir / "sft_data" / "selfplay.jsonl").read_text().count("\n") == 6
+    for model in ("sft/spa", "ppo/spa", "ppo/vanilla_rl"):
         assert (run_dir / model / "final" / "model.safetensors").is_file()
     reports = {name: json.loads((run_dir / "eval" / f"{name}.json").read_text())
-               for name in ("base", "vanilla_ppo", "sft", "spa")}
-    assert reports["spa"]["settings"]["model"] == str(run_dir / "ppo" / "final")
-    assert reports["vanilla_ppo"]["settings"]["model"] == str(run_dir / "ppo_vanilla" / "final")
+               for name in ("base", "vanilla_rl", "spa_sft", "spa")}
+    settings = {name: (r["settings"]["model"], r["settings"]["prompt_mode"], r["settings"]["render_mode"])
+                for name, r in reports.items()}
+    assert settings == {"base": (str(tiny_model_dir), "base", "text"),
+                        "vanilla_rl": (str(run_dir / "ppo" / "vanilla_rl" / "final"), "base", "text"),
+                        "spa_sft": (str(run_dir / "sft" / "spa" / "final"), "base", "coords"),
+                        "spa": (str(run_dir / "ppo" / "spa" / "final"), "base", "coords")}
     assert {r["metrics"]["episodes"] for r in reports.values()} == {4}  # 2 seeds x 2 samples each
     state = json.loads((run_dir / pipeline.STATE_FILE).read_text())
     assert list(state) == STAGES and all(entry["complete"] for entry in state.values())
 
 
-def test_the_table_has_one_row_per_model_in_the_papers_order(finished):
+def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
     run_dir, result = finished
     table = (run_dir / "table.md").read_text()
     assert table == result["table"]
-    rows = table.splitlines()
-    assert rows[0].startswith("| sokoban | Pass@1 | Pass@2 |")
-    assert [row.split("|")[1].strip() for row in rows[2:]] == [
-        "base model", "+ vanilla PPO", "+ SPA world-model SFT", "+ SPA (SFT, then PPO)"]
-    pass1 = json.loads((run_dir / "eval" / "base.json").read_text())["metrics"]["pass@1"]
-    assert rows[2].split("|")[2].strip() == f"{100 * pass1:.1f}"
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table.splitlines()]
+    assert rows[0] == ["sokoban", "Pass@1", "Pass@2", "observation exact", "prediction exact", "prediction cells",
+                       "Pass@1 vs base model [95%]", "Pass@2 vs base model [95%]"]
+    assert [row[0] for row in rows[2:]] == ["base model", "+ Vanilla RL", "+ SPA SFT", "+ SPA"]
+    base, spa = (json.loads((run_dir / "eval" / f"{n}.json").read_text()) for n in ("base", "spa"))
+    assert rows[2][1] == f"{100 * base['metrics']['pass@1']:.1f}" and rows[2][6:] == ["-", "-"]
+    diff, low, high = metrics.paired_difference(base["per_seed"], spa["per_seed"], 1)
+    assert rows[5][6] == f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
 def test_a_second_run_skips_every_completed_stage(finished, tiny_model_dir, capsys):
     run_dir, _ = finished
-    before = (run_dir / "sft" / "final" / "model.safetensors").stat().st_mtime_ns
+    before = (run_dir / "sft" / "spa" / "final" / "model.safetensors").stat().st_mtime_ns
     result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir))
     assert result["skipped"] == STAGES
     shown = capsys.readouterr().out  # shown even with quiet=true, which only hides progress bars
-    assert "[pipeline] generate: complete, skipped" in shown and result["table"].splitlines()[2] in shown
-    assert (run_dir / "sft" / "final" / "model.safetensors").stat().st_mtime_ns == before
+    assert "[pipeline] generate/selfplay: complete, skipped" in shown and result["table"].splitlines()[2] in shown
+    assert (run_dir / "sft" / "spa" / "final" / "model.safetensors").stat().st_mtime_ns == before
+    statuses = pipeline.statuses(pipeline.plan(tiny_pipeline(tiny_model_dir, run_dir)))
+    assert set(statuses.values()) == {"complete"}
 
 
 def test_a_changed_setting_reruns_only_the_stages_that_read_it(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.vanilla_ppo=false"))
-    result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.vanilla_ppo=false", "sft.lr=2e-4"))
-    # sft changed, so did its checkpoint: PPO from it and the evals of both rerun; the data does not
-    assert result["skipped"] == ["generate", "clean", "eval_base"]
+    pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[base, spa]"))
+    changed = tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[base, spa]", "sft.lr=2e-4")
+    assert pipeline.statuses(pipeline.plan(changed)) == {
+        "eval/base": "complete", "generate/selfplay": "complete", "clean/selfplay": "complete", "sft/spa": "run",
+        "ppo/spa": "run", "eval/spa": "run"}
+    result = pipeline.run(changed)
+    # sft changed, so did its checkpoint: PPO from it and its eval rerun; the data does not
+    assert result["skipped"] == ["eval/base", "generate/selfplay", "clean/selfplay"]
 
 
 def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):
@@ -91,10 +340,12 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
 
     monkeypatch.setattr(ppo, "run", crash)
     with pytest.raises(RuntimeError, match="power cut"):
-        pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.vanilla_ppo=false"))
+        pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]"))
     state = json.loads((run_dir / pipeline.STATE_FILE).read_text())
-    assert state["ppo"]["complete"] is False and state["sft"]["complete"] is True
+    assert state["ppo/spa"]["complete"] is False and state["sft/spa"]["complete"] is True
+    assert pipeline.statuses(pipeline.plan(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]")))[
+        "ppo/spa"] == "resume"
     monkeypatch.setattr(ppo, "run", real_run)
-    result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.vanilla_ppo=false"))
-    assert result["skipped"] == ["generate", "clean", "sft"]
+    result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]"))
+    assert result["skipped"] == ["generate/selfplay", "clean/selfplay", "sft/spa"]
     assert (run_dir / "eval" / "spa.json").is_file()

@@ -43,7 +43,7 @@ def two_turn_episode():
 
     turn = {"state": "s", "response": "r", "observation": None, "prediction": None, "thoughts": None,
             "actions": [], "executed": [], "next_state": "s", "format_ok": False, "done": False}
-    episode = Episode("e", "sokoban", 5, group=3, sample=0, prompt_mode="base", model="m")
+    episode = Episode("e", "sokoban", 5, group=3, sample=0, prompt_mode="base", render_mode="coords", model="m")
     episode.token_ids = list(range(100, 112))
     episode.response_mask = [0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
     episode.logprobs = [0.0] * 5 + [-1.0, -2.0] + [0.0] * 2 + [-3.0, -4.0, -5.0]
@@ -334,8 +334,8 @@ def test_reward_rises_on_a_one_turn_bandit(tmp_path, monkeypatch):
     monkeypatch.setitem(SPECS, "bandit", EnvSpec("bandit", "spa/Bandit-v0", f"{__name__}:BanditEnv"))
     out = tmp_path / "run"
     config = load_config(None, [
-        "model.name=smollm2-135m", f"ppo.out={out}", "quiet=true", "env.name=bandit", "env.render_mode=text",
-        "rollout.prompt_mode=base", "rollout.max_turns=1", "rollout.max_new_tokens=2",
+        "model.name=smollm2-135m", f"ppo.out={out}", "quiet=true", "env.name=bandit", "ppo.render_mode=text",
+        "eval.render_mode=text", "rollout.max_turns=1", "rollout.max_new_tokens=2",
         "rollout.groups=4", "rollout.group_size=4", "ppo.filter_ratio=1.0", "ppo.mini_batch=8",
         "ppo.steps=8", "ppo.actor_lr=1e-5", "ppo.critic_lr=1e-4", "ppo.val_every=0", "ppo.save_every=100",
     ])

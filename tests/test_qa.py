@@ -107,13 +107,15 @@ def test_an_empty_answer_changes_nothing(questions_file):
     assert env.parse_action("  ") is None and env.parse_action(" 4 ") == "4"
 
 
-def test_render_modes_agree_and_the_random_policy_guesses_numbers(questions_file):
-    coords, text = QAEnv(path=questions_file), QAEnv(path=questions_file, render_mode="text")
-    assert coords.reset(seed=0)[0] == text.reset(seed=0)[0]
+def test_only_the_text_render_and_the_random_policy_guesses_numbers(questions_file):
+    text = QAEnv(path=questions_file)
+    assert text.render_mode == "text" and text.reset(seed=0)[0] == text.render_text(coordinates=True)
+    with pytest.raises(EnvError, match="qa has no render mode 'coords'; its render modes: text"):
+        QAEnv(path=questions_file, render_mode="coords")
     rng = random.Random(3)
-    guesses = [coords.sample_action(rng) for _ in range(20)]
+    guesses = [text.sample_action(rng) for _ in range(20)]
     assert all(0 <= int(g) <= 100 for g in guesses) and guesses == [
-        coords.sample_action(r) for r in [random.Random(3)] for _ in range(20)]
+        text.sample_action(r) for r in [random.Random(3)] for _ in range(20)]
 
 
 def test_use_before_reset_is_refused(questions_file):
@@ -168,19 +170,20 @@ def test_registry_gymnasium_and_the_config_route(questions_file):
     game = gymnasium.make("spa/QA-v0", path=questions_file)
     assert isinstance(game.unwrapped, QAEnv) and game.unwrapped.path == questions_file
     config = load_config(None, ["env.name=qa", f"env.options.path={questions_file}"])
-    env = make_env(config.env)
+    env = make_env(config.env, "text")
     assert isinstance(env, QAEnv) and env.path == questions_file
     with pytest.raises(UserError, match="needs a JSONL file of questions"):
-        make_env(load_config(None, ["env.name=qa"]).env)
+        make_env(load_config(None, ["env.name=qa"]).env, "text")
 
 
 def test_cli_without_a_file_or_with_a_bad_one_is_one_line(tmp_path):
     runner = CliRunner()
     out = str(tmp_path / "t.jsonl")
-    result = runner.invoke(app, ["generate", "--env", "qa", "--backend", "random", "--out", out])
+    text = ("--render-mode", "text")  # QA has no coordinates
+    result = runner.invoke(app, ["generate", "--env", "qa", "--backend", "random", "--out", out, *text])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.output.strip().splitlines()[-1].startswith("error: the qa env needs a JSONL file")
     bad = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])
-    result = runner.invoke(app, ["generate", "--env", "qa", "--backend", "random", "--out", out,
+    result = runner.invoke(app, ["generate", "--env", "qa", "--backend", "random", "--out", out, *text,
                                  "--set", f"env.options.path={bad}"])
     assert result.exit_code == 2 and f"error: {bad}:1: not JSON" in result.output

@@ -15,6 +15,7 @@ from stages.agent import prompts
 from stages.agent.backends.base import Completion
 from stages.agent.episode import Episode
 from stages.agent.proxy import play
+from stages.agent.states import StateReward
 from stages.common.config import SPAConfig, load_config
 from stages.common.errors import UserError
 
@@ -68,7 +69,8 @@ def corridor(monkeypatch):
 
 
 def play_with(config: SPAConfig, backend, seeds, group_size, **kwargs) -> list[Episode]:
-    return play(config.env, config.rollout, backend, seeds, group_size, model=config.model.name, **kwargs)
+    modes = {"prompt_mode": "world_model", "render_mode": "coords", **kwargs}
+    return play(config.env, config.rollout, backend, seeds, group_size, model=config.model.name, **modes)
 
 
 def make_config(**rollout) -> SPAConfig:
@@ -172,7 +174,7 @@ def turn(pos, response, actions, executed, reward, next_pos, format_ok=True, don
         "observation": "o" if parsed_ok else None, "prediction": "p" if parsed_ok else None,
         "thoughts": "go" if parsed_ok else None, "actions": actions, "executed": executed,
         "reward": reward, "next_state": GOAL_STATE if next_pos == 4 else state(next_pos),
-        "format_ok": format_ok, "done": done, "penalty": penalty,
+        "format_ok": format_ok, "done": done, "penalty": penalty, "state_reward": 0.0,
         "action_valid": [True] * len(actions) if valid is None else valid,
         "action_effective": [True] * len(executed) if effective is None else effective,
     }
@@ -257,13 +259,61 @@ def test_messages_and_prompt_text(corridor):
 
 def test_base_prompt_mode(corridor):
     script = {key: [" fine </think> <answer>Right || Right</answer>"] * 3 for key in SCRIPT}
-    episodes = play_with(make_config(prompt_mode="base"), ScriptedBackend(script), [10], 1)
+    episodes = play_with(make_config(), ScriptedBackend(script), [10], 1, prompt_mode="base")
     first_user = episodes[0].messages[1]["content"]
     assert first_user.startswith("Reach G.\n")
     base_format = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
     assert f"Always output: {base_format} with no extra text." in first_user
     assert [t.executed for t in episodes[0].turns] == [["Right", "Right"], ["Right", "Right"]]
     assert episodes[0].success and episodes[0].turns[0].thoughts == "fine"
+
+
+# ---- the VAGEN arm's state reward ---------------------------------------------------------------
+
+VAGEN_SCRIPT = {"corridor-10-0": [
+    # both states right
+    (f" <observation>{state(0)}</observation> go <prediction>{state(2)}</prediction> </think> "
+     "<answer>Right || Right</answer>"),
+    # the observation right; the prediction's grid has 3 of its 5 cells right, and no coordinate line
+    f" <observation>{state(2)}</observation> go <prediction>_P__G</prediction> </think> <answer>Right</answer>",
+    # no states at all (and malformed): nothing to reward
+    " <answer>Right</answer>",
+]}
+
+
+@pytest.mark.parametrize(("kind", "weights", "expected"), [
+    ("exact", (0.5, 0.5), [1.0, 0.5, 0.0]),
+    ("cells", (0.5, 0.5), [1.0, 0.5 + 0.5 * 0.6, 0.0]),
+    ("exact", (1.0, 2.0), [3.0, 1.0, 0.0]),
+])
+def test_the_state_reward_scores_each_turns_states(corridor, kind, weights, expected):
+    reward = StateReward(kind, *weights)
+    [episode] = play_with(make_config(), ScriptedBackend(VAGEN_SCRIPT), [10], 1, state_reward=reward)
+    assert [turn.state_reward for turn in episode.turns] == pytest.approx(expected)
+    assert [turn.reward for turn in episode.turns] == pytest.approx([-0.2, -0.1, 0.0])
+    assert episode.format_penalty == pytest.approx(-0.1)
+    assert episode.total_reward == pytest.approx(-0.3 - 0.1 + sum(expected))  # PPO's score includes it
+    assert episode.messages[3]["content"].startswith("Reward:\n-0.2\n")  # the prompt shows the env's reward
+    assert episode.to_json()["turns"][0]["state_reward"] == pytest.approx(expected[0])
+
+
+def test_the_state_reward_reads_states_written_under_the_base_prompt(corridor):
+    """A world-model-trained policy writes its states inside the base prompt's think, and the base
+    parser keeps them: the reward scores them too."""
+    script = {"corridor-10-0": [
+        (f" <observation>{state(0)}</observation> go <prediction>{state(1)}</prediction> </think> "
+         "<answer>Right</answer>")] * 3}
+    [episode] = play_with(make_config(), ScriptedBackend(script), [10], 1, prompt_mode="base",
+                          state_reward=StateReward("exact", 0.5, 0.5))
+    # turn 1 is right on both counts; later turns repeat the first turn's states, now both wrong
+    assert [turn.state_reward for turn in episode.turns] == [1.0, 0.0, 0.0]
+    assert episode.turns[0].format_ok
+
+
+def test_no_state_reward_without_the_option(corridor):
+    [episode] = play_with(make_config(), ScriptedBackend(VAGEN_SCRIPT), [10], 1)
+    assert [turn.state_reward for turn in episode.turns] == [0.0, 0.0, 0.0]
+    assert episode.total_reward == pytest.approx(-0.4)
 
 
 def test_skip_ids_and_budget_override(corridor):

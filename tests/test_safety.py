@@ -251,7 +251,8 @@ def test_a_model_answer_that_is_code_is_an_invalid_action_and_never_runs(tmp_pat
         config = SPAConfig()
         config.env.name = env
         config.rollout.max_turns = 1
-        [episode] = play(config.env, config.rollout, Scripted(), [0], 1)
+        [episode] = play(config.env, config.rollout, Scripted(), [0], 1, prompt_mode="world_model",
+                         render_mode="coords")
         assert episode.turns[0].executed == [] and not any(episode.turns[0].action_valid), env
         assert all(envs.make(env).parse_action(answer) is None for answer in answers)
     assert not marker.exists()

@@ -6,6 +6,7 @@ import copy
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from stages.training.sft_data import (
     Example,
     collate,
     epoch_steps,
+    mask_states,
     rank_micro_batches,
     read_rows,
     tokenize_row,
@@ -168,14 +170,41 @@ def test_masks_on_a_llama3_style_template(llama3_tokenizer):
     assert untrained_roles(example, tok, messages) == {"assistant"}
 
 
-def test_mask_states_trains_the_tags_but_not_the_states(tokenizer):
+def test_untrained_states_train_the_tags_but_not_the_states(tokenizer):
     messages = conversation(random.Random(5), turns=1)
-    example = tokenize_row(tokenizer, messages, max_length=4096, mask_states=True)
+    example = tokenize_row(tokenizer, messages, max_length=4096, state_text="untrained")
     assert trained_runs(example, tokenizer) == [
         "<think> <observation>", "</observation> I push right. <prediction>",
         "</prediction> </think> <answer> Up </answer><|im_end|>"]
     full = tokenize_row(tokenizer, messages, max_length=4096)
     assert full.input_ids == example.input_ids and full.trained > example.trained
+
+
+def test_masked_rows_hold_no_state_text_in_input_or_target(tokenizer):
+    """The paper's Fig. 4 ablation: every observation and prediction of the assistant turns, the
+    trained one and those of the context, is "[MASKED]", which carries no loss."""
+    messages = conversation(random.Random(9), turns=3, train=[False, False, True])
+    states = [text for m in messages if m["role"] == "assistant"
+              for text in re.findall(r"<(?:observation|prediction)>(.*?)</", m["content"], re.DOTALL)]
+    assert len(states) == 6
+    example = tokenize_row(tokenizer, messages, max_length=4096, state_text="masked")
+    text = tokenizer.decode(example.input_ids)
+    masked = ("<think> <observation>[MASKED]</observation> I push right. <prediction>[MASKED]</prediction> "
+              "</think> <answer> Up </answer>")
+    assert re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", text, re.DOTALL) == [masked] * 3
+    # the game's own states in the user messages are the observation, and stay
+    users = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", text, re.DOTALL)
+    assert users == [m["content"] for m in messages if m["role"] == "user"]
+    assistant_text = "".join(re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", text, re.DOTALL))
+    assert not any(state in assistant_text for state in states)
+    assert "#" not in assistant_text and "Player" not in assistant_text
+    # the target: the last turn's tags and text, never the placeholder
+    assert trained_runs(example, tokenizer) == [
+        "<think> <observation>", "</observation> I push right. <prediction>",
+        "</prediction> </think> <answer> Up </answer><|im_end|>"]
+    assert mask_states(messages)[0] == messages[0] and mask_states(messages)[2]["content"] == masked
+    with pytest.raises(ValueError, match="state_text must be one of trained, masked, untrained"):
+        tokenize_row(tokenizer, messages, max_length=4096, state_text="hidden")
 
 
 def test_no_row_has_an_empty_mask_or_trains_a_user_token(tokenizer, data):

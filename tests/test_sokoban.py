@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from collections import deque
@@ -248,7 +249,7 @@ def test_step_before_reset_is_refused():
 
 # ---- prompt texts ----------------------------------------------------------------------------
 
-BASE_INSTRUCTION = (
+RELEASED_BASE_INSTRUCTION = (
     "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets You "
     "are provided with a symbol grid. When you are exactly next to a box, you can push it by moving in the "
     "same direction. You cannot push a box through a wall, and you cannot pull a box. The answer should be "
@@ -268,12 +269,50 @@ WORLD_MODEL_INSTRUCTION = (
 )
 
 
+# The paper's App. A base prompt: the released text with the world-model prompt's coordinate sentences.
+PAPER_BASE_INSTRUCTION = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets You "
+    "are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each "
+    "target. Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). When you "
+    "are exactly next to a box, you can push it by moving in the same direction. You cannot push a box "
+    "through a wall, and you cannot pull a box. The answer should be a sequence of actions, like "
+    "<answer>Right || Right || Up</answer>."
+)
+# Ours, for the grid alone: no coordinate sentence, no coordinate line, no positions in the reasoning.
+WORLD_MODEL_INSTRUCTION_WITHOUT_COORDINATES = (
+    "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets You "
+    "are provided with a symbol grid. When you are exactly next to a box, you can push it by moving in the "
+    "same direction. You cannot push a box through a wall, and you cannot pull a box. The answer should be "
+    "a sequence of actions, like <answer>Right || Right || Up</answer>. A sample full output is as follows: "
+    "<think> <observation>######\n#_####\n#_P###\n#_X#_#\n#__O_#\n######</observation> 1 Down – I push box "
+    "down. 2 Left – I step left. 3 Down – I stand left of box, ready to push it Right onto target. "
+    "<prediction>######\n#_####\n#__###\n#__#_#\n#PXO_#\n######</prediction> </think> <answer> Down || "
+    "Left || Down </answer>"
+)
+
+
 def test_instructions_quote_spa_exactly():
-    env = SokobanEnv()
-    assert env.instruction("base") == BASE_INSTRUCTION
+    env = SokobanEnv(base_instruction="released")
+    assert env.instruction("base") == RELEASED_BASE_INSTRUCTION
     assert env.instruction("world_model") == WORLD_MODEL_INSTRUCTION
-    assert SokobanEnv.instructions == {"base": BASE_INSTRUCTION, "world_model": WORLD_MODEL_INSTRUCTION}
     assert "\u2013" in env.instruction("world_model")
+
+
+def test_the_default_base_instruction_is_the_papers():
+    env = SokobanEnv()
+    assert env.instruction("base") == PAPER_BASE_INSTRUCTION
+    assert SokobanEnv.instructions == {"base": PAPER_BASE_INSTRUCTION, "world_model": WORLD_MODEL_INSTRUCTION}
+    with pytest.raises(EnvError, match="base_instruction must be one of paper, released"):
+        SokobanEnv(base_instruction="appendix")
+
+
+@pytest.mark.parametrize("base_instruction", ["paper", "released"])
+def test_without_coordinates_no_instruction_promises_them(base_instruction):
+    env = SokobanEnv(render_mode="text", base_instruction=base_instruction)
+    assert env.instruction("base") == RELEASED_BASE_INSTRUCTION
+    assert env.instruction("world_model") == WORLD_MODEL_INSTRUCTION_WITHOUT_COORDINATES
+    for text in (env.instruction("base"), env.instruction("world_model")):
+        assert "coordinates" not in text and not re.search(r"\(\d+, ?\d+\)", text)
 
 
 def test_world_model_instruction_names_the_bottom_right_corner_of_bigger_rooms():

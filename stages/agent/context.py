@@ -47,8 +47,8 @@ class ContextManager:
     With `history_window` the prompt is the windowed chat, rendered afresh each turn.
     """
 
-    def __init__(self, rollout: RolloutConfig, tokenizer: Any | None):
-        self.prompt_mode = rollout.prompt_mode
+    def __init__(self, rollout: RolloutConfig, tokenizer: Any | None, prompt_mode: str):
+        self.prompt_mode = prompt_mode
         self.tokenizer = tokenizer
         self.window = rollout.history_window
         self.contexts: dict[str, _Context] = {}

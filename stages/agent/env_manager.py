@@ -14,14 +14,30 @@ from stages.common.config import EnvConfig, RolloutConfig
 from stages.common.errors import UserError
 
 
-def make_env(config: EnvConfig, render_mode: str | None = None) -> TextGameEnv:
-    """The game `config` names, with its options; a bad name or option is one UserError line.
-    `render_mode` overrides the config's."""
-    options = {"render_mode": render_mode or config.render_mode, **config.options}
+def make_env(config: EnvConfig, render_mode: str) -> TextGameEnv:
+    """The game `config` names, with its options, rendering in `render_mode`; a bad name or option
+    is one UserError line."""
     try:
-        return envs.make(config.name, **options)
+        return envs.make(config.name, **{"render_mode": render_mode, **config.options})
     except EnvError as err:
         raise UserError(str(err)) from None
+
+
+def check_modes(config: EnvConfig, prompt_mode: str, render_mode: str, section: str) -> TextGameEnv:
+    """The game, built after checking that it has the prompt and render mode that the config
+    section `section` ("generate", "ppo", "eval") asks for; otherwise one UserError line that names
+    the setting to change."""
+    try:
+        cls = envs.spec(config.name).load_class()
+    except EnvError as err:
+        raise UserError(str(err)) from None
+    for kind, wanted, offered in (("prompt", prompt_mode, envs.prompt_modes(cls)),
+                                  ("render", render_mode, envs.render_modes(cls))):
+        if wanted not in offered:
+            choices = " or ".join(f"{section}.{kind}_mode={mode}" for mode in offered)
+            raise UserError(f"{config.name} has no {wanted!r} {kind} mode ({section}.{kind}_mode); its {kind} "
+                            f"modes: {', '.join(offered)}; set {choices}")
+    return make_env(config, render_mode)
 
 
 @dataclass
@@ -48,9 +64,10 @@ class TurnResult:
 class EnvStateManager:
     """Runs the games: resets the envs of each group on one seed and executes the agent's actions."""
 
-    def __init__(self, env: EnvConfig, rollout: RolloutConfig):
+    def __init__(self, env: EnvConfig, rollout: RolloutConfig, render_mode: str):
         self.env_config = env
         self.rollout = rollout
+        self.render_mode = render_mode
         self.games: dict[str, _Game] = {}
 
     def budget(self, env: TextGameEnv) -> int:
@@ -65,7 +82,7 @@ class EnvStateManager:
         first_of_seed: dict[int, TextGameEnv] = {}
         for episode in episodes:
             if episode.seed not in first_of_seed:
-                env = make_env(self.env_config)
+                env = make_env(self.env_config, self.render_mode)
                 env.reset(seed=episode.seed)
                 first_of_seed[episode.seed] = env
                 game_env = env

@@ -26,6 +26,7 @@ class Turn:
     format_ok: bool
     done: bool  # the episode ended with this turn
     penalty: float = 0.0  # the format penalty charged to this turn (0.0 or rollout.format_penalty)
+    state_reward: float = 0.0  # the VAGEN arm's reward for correct states (`stages.agent.states`); 0 otherwise
     finish_reason: str = "stop"  # the backend's: stop, eos, or length
     # Per parsed action: the game understood it (parse, and the env's action_is_valid when it ran).
     action_valid: list[bool] = field(default_factory=list)
@@ -61,6 +62,7 @@ class Episode:
     group: int
     sample: int
     prompt_mode: str
+    render_mode: str
     model: str
     turns: list[Turn] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
@@ -79,11 +81,11 @@ class Episode:
 
     def to_json(self) -> dict[str, Any]:
         turn_keys = ("state", "response", "observation", "prediction", "thoughts", "actions", "executed",
-                     "reward", "next_state", "format_ok", "done", "penalty", "action_valid",
+                     "reward", "next_state", "format_ok", "done", "penalty", "state_reward", "action_valid",
                      "action_effective")
         return {
             "id": self.id, "env": self.env, "seed": self.seed, "group": self.group, "sample": self.sample,
-            "prompt_mode": self.prompt_mode, "model": self.model,
+            "prompt_mode": self.prompt_mode, "render_mode": self.render_mode, "model": self.model,
             "turns": [{key: getattr(turn, key) for key in turn_keys} for turn in self.turns],
             "messages": self.messages, "success": self.success, "total_reward": self.total_reward,
             "format_penalty": self.format_penalty,

@@ -123,7 +123,7 @@ def _inner(text: str, name: str) -> str | None:
     return _clean(match.group(2)) if match else None
 
 
-# ---- state tags: `spa clean` rewrites their contents, `spa sft --mask-states` finds them ---------
+# ---- state tags: `spa clean` rewrites their contents, `spa sft --state-text` masks them -----------
 
 STATE_TAGS = ("observation", "prediction")
 #: (opening tag, content, closing tag) of every observation / prediction, tolerant like the parser.

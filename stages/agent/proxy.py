@@ -20,7 +20,11 @@ Choices and simplifications compared with SPA/RAGEN:
   RAGEN's history is never shown to the model, so it is not part of the chat it saw.
 * The turn-level `reward` is the env's reward only; the format penalty is kept apart (per turn in
   `penalty`, per episode in `format_penalty`) and added in `total_reward`, as SPA adds it to the
-  final score. The "Reward:" message shows the env reward, as in RAGEN.
+  final score. The "Reward:" message shows the env reward, as in RAGEN. So does the VAGEN arm's
+  state reward (`state_reward`, per turn): it counts in `total_reward`, the score PPO trains on,
+  but the prompt is the same as every other arm's.
+* The prompt mode (world model or base) and render mode (coordinates or not) are the caller's:
+  each stage has its own (`generate.*`, `ppo.*`, `eval.*`).
 * Within a turn, action texts the game does not understand are dropped (not executed, no budget
   used) and cost the turn the format penalty; so does a malformed response or a turn with no valid
   action. One penalty per turn at most.
@@ -37,6 +41,7 @@ from stages.agent.context import ContextManager, visible_text
 from stages.agent.env_manager import EnvStateManager
 from stages.agent.episode import Episode, Turn, episode_id
 from stages.agent.parsing import parse_response
+from stages.agent.states import StateReward
 from stages.common.config import EnvConfig, RolloutConfig
 from stages.common.seeds import stable_seed
 
@@ -47,19 +52,22 @@ STOP_STRINGS = ("</answer>",)
 class AgentProxy:
     """Plays a wave of episodes turn by turn against a generation backend."""
 
-    def __init__(self, env: EnvConfig, rollout: RolloutConfig, backend: Any,
-                 on_episode: Callable[[Episode], None] | None = None,
+    def __init__(self, env: EnvConfig, rollout: RolloutConfig, backend: Any, prompt_mode: str, render_mode: str,
+                 state_reward: StateReward | None = None, on_episode: Callable[[Episode], None] | None = None,
                  progress: Callable[[int], None] | None = None):
         self.env = env
         self.rollout = rollout
         self.backend = backend
+        self.prompt_mode = prompt_mode
+        self.render_mode = render_mode
+        self.state_reward = state_reward
         self.tokenizer = getattr(backend, "tokenizer", None)
         self.on_episode = on_episode
         self.progress = progress
 
     def play_wave(self, episodes: list[Episode]) -> None:
-        env_manager = EnvStateManager(self.env, self.rollout)
-        context = ContextManager(self.rollout, self.tokenizer)
+        env_manager = EnvStateManager(self.env, self.rollout, self.render_mode)
+        context = ContextManager(self.rollout, self.tokenizer, self.prompt_mode)
         env_manager.reset(episodes)
         for episode in episodes:
             game = env_manager.game(episode)
@@ -105,13 +113,16 @@ class AgentProxy:
         state = game.state
         text = visible_text(completion, self.tokenizer)
         response = prompts.GENERATION_PREFIX + text
-        parsed = parse_response(text, self.rollout.prompt_mode, self.rollout.max_actions_per_turn)
+        parsed = parse_response(text, self.prompt_mode, self.rollout.max_actions_per_turn)
         result = env_manager.step(episode, parsed)
+        state_reward = 0.0
+        if self.state_reward is not None:
+            state_reward = self.state_reward(parsed.observation, parsed.prediction, state, result.next_state)
         episode.turns.append(Turn(
             state=state, response=response, observation=parsed.observation, prediction=parsed.prediction,
             thoughts=parsed.thoughts, actions=list(parsed.actions), executed=result.executed,
             reward=result.reward, next_state=result.next_state, format_ok=parsed.format_ok,
-            done=result.done, penalty=result.penalty, finish_reason=completion.finish_reason,
+            done=result.done, penalty=result.penalty, state_reward=state_reward, finish_reason=completion.finish_reason,
             action_valid=result.action_valid, action_effective=result.action_effective,
         ))
         next_block = None
@@ -122,7 +133,8 @@ class AgentProxy:
         if result.done:
             episode.done = True
             episode.format_penalty = sum(turn.penalty for turn in episode.turns)
-            episode.total_reward = sum(turn.reward for turn in episode.turns) + episode.format_penalty
+            episode.total_reward = (sum(turn.reward + turn.state_reward for turn in episode.turns)
+                                    + episode.format_penalty)
 
     def _sampling_params(self, call: str) -> SamplingParams:
         # A reproducible seed per backend call, named by the wave's first episode and the turn: one
@@ -139,26 +151,27 @@ def model_label(model: str, backend: str) -> str:
 
 
 def play(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: Iterable[int], group_size: int, *,
-         model: str = "", skip_ids: frozenset[str] | set[str] = frozenset(),
-         on_episode: Callable[[Episode], None] | None = None,
+         prompt_mode: str, render_mode: str, model: str = "", state_reward: StateReward | None = None,
+         skip_ids: frozenset[str] | set[str] = frozenset(), on_episode: Callable[[Episode], None] | None = None,
          progress: Callable[[int], None] | None = None) -> list[Episode]:
-    """Play `group_size` episodes of the game `env` on each seed with `backend`; return the
-    finished episodes in seed, sample order.
+    """Play `group_size` episodes of the game `env` on each seed with `backend`, showing it the
+    `prompt_mode` prompt and the `render_mode` states; return the finished episodes in seed,
+    sample order.
 
     Episode `group` is the seed's index in `seeds`, `sample` its index in the group; `model` names
     the player in the records. Ids in `skip_ids` are not played (resume). `on_episode(episode)` is
     called as each episode finishes; `progress(tokens)` after each backend call with the number of
-    tokens it generated. Token ids are kept when the backend has a tokenizer (the random backend
-    gives text only). Of `rollout`, the loop reads the turn limits, sampling and prompt settings;
-    which seeds to play is the caller's.
+    tokens it generated. `state_reward` (the VAGEN arm's) adds its reward to each turn. Token ids
+    are kept when the backend has a tokenizer (the random backend gives text only). Of `rollout`,
+    the loop reads the turn limits and sampling settings; which seeds to play is the caller's.
     """
     label = model_label(model, getattr(backend, "name", ""))
     episodes = [
-        Episode(episode_id(env.name, seed, sample), env.name, seed, group, sample, rollout.prompt_mode, label)
+        Episode(episode_id(env.name, seed, sample), env.name, seed, group, sample, prompt_mode, render_mode, label)
         for group, seed in enumerate(seeds) for sample in range(group_size)
         if episode_id(env.name, seed, sample) not in skip_ids
     ]
-    proxy = AgentProxy(env, rollout, backend, on_episode, progress)
+    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, state_reward, on_episode, progress)
     for start in range(0, len(episodes), rollout.batch_size):
         proxy.play_wave(episodes[start:start + rollout.batch_size])
     return episodes

@@ -69,13 +69,21 @@ def _check_number(key: str, value: Any, bounds: dict[str, float]) -> None:
         raise UserError(f"{key} must be {wanted}, got {value:g}")
 
 
+PromptMode = Literal["world_model", "base"]
+RenderMode = Literal["coords", "text"]
+
+
 @dataclass
 class EnvConfig(_Section):
+    """The game. What the agent is shown of it (prompt and render mode) is each stage's own setting:
+    `generate.*`, `ppo.*`, `eval.*` (prompt_mode: "world_model" asks for <observation> and
+    <prediction> in the think, "base" for think then answer; render_mode: "coords" is the grid plus
+    its coordinate line, SPA's text_with_coordinates, "text" the grid alone)."""
+
     #: A registered game (`spa envs` lists them).
     name: str = "sokoban"
-    #: "coords": grid plus coordinate line (SPA's text_with_coordinates); "text": grid alone.
-    render_mode: Literal["coords", "text"] = "coords"
-    #: Overrides of the game's own settings, e.g. {num_boxes: 2} or {difficulty: medium}.
+    #: Overrides of the game's own settings, e.g. {num_boxes: 2}, {difficulty: medium}, or for
+    #: Sokoban {base_instruction: released} (the base prompt's variant, see envs/sokoban.py).
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -92,10 +100,10 @@ class ModelConfig(_Section):
 
 @dataclass
 class RolloutConfig(_Section):
-    """The multi-turn agent loop shared by generate, eval and ppo."""
+    """The multi-turn agent loop shared by generate, eval and ppo (each stage has its own prompt
+    and render mode)."""
 
     backend: Literal["hf", "vllm", "random"] = "hf"
-    prompt_mode: Literal["world_model", "base"] = "world_model"
     #: Puzzles per batch; every episode of a group plays the same seed.
     groups: int = setting(32, ge=1)
     group_size: int = setting(8, ge=1)
@@ -125,6 +133,9 @@ class RolloutConfig(_Section):
 
 @dataclass
 class GenerateConfig(_Section):
+    #: The paper's self-play data: the world-model prompt on coordinate states.
+    prompt_mode: PromptMode = "world_model"
+    render_mode: RenderMode = "coords"
     out: str = "runs/trajectories.jsonl"
     #: Continue the episodes already in `out` (same settings only); without it an existing file is refused.
     resume: bool = False
@@ -167,8 +178,11 @@ class SFTConfig(_Section):
     #: Token budget of one micro-batch (rows are packed up to it); bounds memory.
     micro_batch_tokens: int = setting(4096, ge=1)
     max_length: int = setting(2048, ge=2)
-    #: The paper's masked ablation: no loss on the observation and prediction contents.
-    mask_states: bool = False
+    #: The observation and prediction contents of assistant messages: "trained" (the paper's
+    #: method, eq. 2); "masked" (the paper's Fig. 4 ablation, what SPA's released trainer does: the
+    #: contents become "[MASKED]", in the target and in the history, with no loss on it);
+    #: "untrained" (the true states stay in the text but carry no loss).
+    state_text: Literal["trained", "masked", "untrained"] = "trained"
     #: Pack several rows into one micro-batch; null: only with flash-attention 2 (see stages/training/sft_data.py).
     packing: bool | None = None
     #: LoRA rank; 0 is a full fine-tune.
@@ -194,6 +208,18 @@ class SFTConfig(_Section):
 
 @dataclass
 class PPOConfig(_Section):
+    #: The paper's RL prompt (State Estimation RL and SPA): the base prompt on coordinate states; a
+    #: world-model-trained policy keeps writing its states inside <think>, which the base parser accepts.
+    prompt_mode: PromptMode = "base"
+    render_mode: RenderMode = "coords"
+    #: VAGEN's per-turn reward for correct states (`stages.agent.states`): "none"; "exact" (1 per
+    #: state equal to the truth); "cells" (the share of grid cells right). Each turn gains
+    #: observation_weight x score(<observation>, shown state) + prediction_weight x
+    #: score(<prediction>, state after the turn); a missing tag scores 0. Our weights (VAGEN's
+    #: defaults), not the paper's, which are unpublished.
+    state_reward: Literal["none", "exact", "cells"] = "none"
+    observation_weight: float = setting(0.5, ge=0)
+    prediction_weight: float = setting(0.5, ge=0)
     out: str = "runs/ppo"
     steps: int = setting(1000, ge=1)
     #: Constant learning rates (AdamW) of actor and critic.
@@ -243,6 +269,9 @@ class PPOConfig(_Section):
 
 @dataclass
 class EvalConfig(_Section):
+    #: As the paper validates its RL runs: the base prompt on coordinate states.
+    prompt_mode: PromptMode = "base"
+    render_mode: RenderMode = "coords"
     out: str = "runs/report.json"
     #: Number of eval puzzles, seeds first_seed .. first_seed+seeds-1 (disjoint from training).
     seeds: int = setting(128, ge=1)
@@ -256,21 +285,26 @@ class EvalConfig(_Section):
     resume: bool = False
 
 
+#: The paper's Table 2 (with Table 7's step-0 rows): what `spa pipeline` runs unless told otherwise.
+PAPER_ARMS = ("base", "state_estimation", "vanilla_rl", "state_estimation_rl", "vagen", "spa_sft", "spa")
+
+
 @dataclass
 class PipelineConfig(_Section):
-    """`spa pipeline`: every stage in one run directory (see stages/pipeline.py)."""
+    """`spa pipeline`: arms of the paper's comparison in one run directory (see stages/pipeline.py)."""
 
     dir: str = "runs/pipeline"
-    #: Who plays the self-play data: "model" (the model itself through rollout.backend, as the
-    #: paper) or "random" (random actions, the paper's RandSFT; the bootstrap for weak models).
+    #: The arms, one row each of table.md, in this order (the first is the reference of the paired
+    #: differences): built-in names (stages/pipeline.py lists them) or mappings {name, like, model,
+    #: data_env, sft_data, set} that define an arm from a built-in one.
+    arms: list[str | dict[str, Any]] = field(default_factory=lambda: list(PAPER_ARMS))
+    #: Who plays the self-play data of the SFT arms: "model" (the arm's starting model, as the paper)
+    #: or "random" (random actions, the paper's RandSFT; the bootstrap for models too weak to write
+    #: the format). The rand_sft arm always plays random actions.
     data_policy: Literal["model", "random"] = "model"
     #: Puzzles of the self-play data, each played rollout.group_size times (SPA: 5 batches of 32
     #: puzzles x 8 = 1280 trajectories); PPO draws its own rollout.groups per step.
     data_groups: int = setting(160, ge=1)
-    #: Also evaluate the base model, as a baseline for the SFT and PPO models.
-    baselines: bool = True
-    #: Also train PPO from the base model with the same settings (the paper's "Vanilla RL").
-    vanilla_ppo: bool = False
 
 
 @dataclass
@@ -302,6 +336,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
     for key, value in (values or {}).items():
+        _set_dotted(raw, key, value)
+    return from_dict(raw)
+
+
+def with_overrides(config: SPAConfig, values: dict[str, Any]) -> SPAConfig:
+    """A copy of `config` with dotted `values` set (``{"sft.epochs": 1}``), checked like a file's."""
+    raw = to_dict(config)
+    for key, value in values.items():
         _set_dotted(raw, key, value)
     return from_dict(raw)
 

@@ -46,10 +46,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPA_CACHE", Path.home() / ".cache" / "spa"))
 
 
-def resolve_model(name: str) -> str:
-    """Turn a `--model` value into something `from_pretrained` loads: a directory or a hub id."""
+def check_model_name(name: str) -> None:
+    """Refuse a `--model` value that names nothing spa can load, without loading or converting
+    anything (a hub id is only checked for its shape)."""
     if name in BUILTIN_MODELS:
-        return str(_converted_builtin(name))
+        return
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -59,11 +60,19 @@ def resolve_model(name: str) -> str:
             found = f"only pickled weights ({', '.join(pickled)}), which spa does not load" if pickled else "no weights"
             raise UserError(f"model directory {path} has {found}; spa loads *.safetensors only: save the model with "
                             "save_pretrained(..., safe_serialization=True)")
-        return str(path)
+        return
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         builtins = ", ".join(BUILTIN_MODELS)
         raise UserError(f"model {name!r} is not a built-in name ({builtins}), a model directory, or a hub id")
-    return name  # a hub id; loading fails with one line if the hub cannot be reached
+
+
+def resolve_model(name: str) -> str:
+    """Turn a `--model` value into something `from_pretrained` loads: a directory or a hub id."""
+    check_model_name(name)
+    if name in BUILTIN_MODELS:
+        return str(_converted_builtin(name))
+    path = Path(name).expanduser()
+    return str(path) if path.is_dir() else name  # a hub id; loading fails with one line if it cannot be reached
 
 
 def _converted_builtin(name: str) -> Path:

@@ -13,17 +13,22 @@ Three families:
   action validity and effectiveness, format-valid rate.
 * **World-model accuracy** (`world_model_metrics`): how often the model's ``<observation>`` equals
   the state it was shown and its ``<prediction>`` equals the true state after its actions, both
-  exactly and cell by cell on the grid.
+  exactly and cell by cell on the grid (the comparisons live in `stages.agent.states`, shared
+  with the VAGEN arm's state reward).
 """
 
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from stages.agent.states import cell_accuracy, grid_cells, normalize_state, states_match
+
 Trajectory = Mapping[str, Any]
+
+__all__ = ["cell_accuracy", "episode_metrics", "grid_cells", "mean_pass_at_k", "normalize_state", "paired_difference",
+           "pass_at_k", "pass_at_k_curve", "per_seed_counts", "states_match", "summarize", "world_model_metrics"]
 
 # ---- Pass@k ----------------------------------------------------------------------------------
 
@@ -179,64 +184,6 @@ def episode_metrics(trajectories: Sequence[Trajectory],
 
 
 # ---- world-model accuracy --------------------------------------------------------------------
-
-
-def normalize_state(text: str) -> str:
-    """A state text with each line stripped and blank lines at either end dropped.
-
-    Exact match compares texts after this: the model may indent lines or leave trailing spaces
-    (Sudoku's board ends with one), which says nothing about its picture of the state.
-    """
-    return "\n".join(line.strip() for line in text.strip().splitlines())
-
-
-def states_match(predicted: str, true: str) -> bool:
-    return normalize_state(predicted) == normalize_state(true)
-
-
-# A coordinate line mentions a zero- or one-indexed "(r,c)" pair, or says Sudoku has none left.
-_COORDINATE_LINE = re.compile(r"\(\s*\d+\s*,\s*\d+\s*\)|no empty position", re.IGNORECASE)
-
-
-def grid_cells(text: str) -> list[list[str]]:
-    """The grid part of a state text as rows of cells.
-
-    The grid part is every non-blank line (stripped) before the first coordinate line (a line
-    with an ``(r,c)`` pair or Sudoku's "No empty positions"); blank lines carry no cells and are
-    skipped. A line starting with ``|`` is a Sudoku board, ``| . 1 2 4 | 4 2 1 3 | ...``: each
-    ``|``-separated segment is a row and its space-separated tokens are the cells. Any other line
-    is one row of one-character cells (Sokoban, FrozenLake).
-    """
-    rows: list[list[str]] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if _COORDINATE_LINE.search(line):
-            break
-        if not line:
-            continue
-        if line.startswith("|"):
-            rows += [segment.split() for segment in line.split("|")[1:]]
-        else:
-            rows.append(list(line))
-    return rows
-
-
-def cell_accuracy(predicted: str, true: str) -> float:
-    """Share of grid cells the predicted state text gets right, against the true state text.
-
-    Rows and columns are compared by position. Every cell position that either grid has is
-    judged, and it is right only when both grids have it and agree; so a missing row or a short
-    row costs the true cells it lacks, and an extra row or a long row costs the cells it adds.
-    Accuracy = right / judged (1.0 when both grids are empty).
-    """
-    pred_rows, true_rows = grid_cells(predicted), grid_cells(true)
-    right = judged = 0
-    for r in range(max(len(pred_rows), len(true_rows))):
-        pred_row = pred_rows[r] if r < len(pred_rows) else []
-        true_row = true_rows[r] if r < len(true_rows) else []
-        judged += max(len(pred_row), len(true_row))
-        right += sum(p == t for p, t in zip(pred_row, true_row))
-    return right / judged if judged else 1.0
 
 
 _WM_KINDS = (("observation", "state"), ("prediction", "next_state"))

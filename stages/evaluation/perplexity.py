@@ -7,7 +7,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from envs import TextGameEnv
+import envs
+from envs import TextGameEnv, render_modes
 from stages.agent import prompts
 from stages.agent.context import common_prefix_len
 from stages.agent.env_manager import make_env
@@ -19,7 +20,7 @@ STATE_PPL_RANDOM_ACTIONS = 2
 
 
 def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence[int], *,
-                     prompt_mode: str = "world_model", random_actions: int = STATE_PPL_RANDOM_ACTIONS,
+                     prompt_mode: str, random_actions: int = STATE_PPL_RANDOM_ACTIONS,
                      max_actions_per_traj: int | None = None) -> dict[str, Any]:
     """The model's perplexity on state text, with the raw grid and with grid plus coordinates
     (the paper's Table 1: "PPL, raw state" and "+ State Estimation").
@@ -31,7 +32,8 @@ def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence
        episode ends), so the states are not all start positions and every run measures the same
        ones.
     2. The context: the chat the agent would see at its first turn in ``prompt_mode`` (system
-       prompt, then the first user message: instruction, legend, action list and the turn block),
+       prompt, then the first user message: instruction, legend, action list and the turn block;
+       the instruction is the one shown with coordinates, the same for both renderings below),
        rendered by the tokenizer's chat template. The target is the state text inside it, right
        after ``"State:\\n"``; only the text before the state conditions it.
     3. The state is rendered twice, as the grid alone (``raw``) and as the grid followed by its
@@ -48,7 +50,7 @@ def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence
 
     if not seeds:
         raise UserError("state perplexity needs at least one seed")
-    game = make_env(env, render_mode="coords")
+    game = make_env(env, "coords" if "coords" in render_modes(envs.spec(env.name).load_class()) else "text")
     budget = max_actions_per_traj or game.max_actions_per_traj
     prefix = prompts.instruction_prefix(game, prompt_mode, budget)
     totals = {"raw": [0.0, 0], "coords": [0.0, 0]}

@@ -3,7 +3,10 @@
 A report (``spa eval``'s ``report.json``) holds ``settings`` (everything that produced it),
 ``metrics``, ``per_seed`` (``seed``, ``n``, ``successes``: enough to recompute every Pass@k) and the
 path of its trajectories. Two reports may be compared when their settings differ only in what
-played (`COMPARABLE_DESPITE`).
+played (`COMPARABLE_DESPITE`): the model, and the prompt and render mode it plays with, which is
+what the paper's arms differ in (Table 2: Vanilla RL on the raw grid, State Estimation RL with
+coordinates, VAGEN with the world-model prompt); the puzzles, samples and sampling must agree, so
+the paired differences are over the same puzzles.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ REPORT_VERSION = 1
 
 #: Settings that may differ between reports `compare` puts side by side: what played, and
 #: provenance that does not change what is measured.
-COMPARABLE_DESPITE = ("model", "backend", "versions", "spa_version", "sample_seed", "state_ppl")
+COMPARABLE_DESPITE = ("model", "prompt_mode", "render_mode", "backend", "versions", "spa_version", "sample_seed",
+                      "state_ppl")
 
 
 def trajectories_path(out: str | Path) -> Path:
@@ -42,8 +46,8 @@ def report_settings(config: SPAConfig, env: TextGameEnv, n: int, k: int, model: 
         "backend": rollout.backend,
         "env": config.env.name,
         "env_options": dict(config.env.options),
-        "render_mode": config.env.render_mode,
-        "prompt_mode": rollout.prompt_mode,
+        "render_mode": config.eval.render_mode,
+        "prompt_mode": config.eval.prompt_mode,
         "seeds": config.eval.seeds,
         "first_seed": config.eval.first_seed,
         "n": n,
@@ -106,6 +110,8 @@ def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[
             "report": str(path),
             "model": settings["model"],
             "env": settings["env"],
+            "prompt_mode": settings.get("prompt_mode"),
+            "render_mode": settings.get("render_mode"),
             "k": k,
             "pass@1": figures.get("pass@1"),
             "pass@k": figures.get("pass_at_k", {}).get(str(k)),

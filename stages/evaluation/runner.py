@@ -6,6 +6,8 @@ Protocol (the paper's validation, App. B):
 * Puzzles are the seeds ``eval.first_seed .. eval.first_seed + eval.seeds - 1`` (123 onwards by
   default, disjoint from the training seeds that start at 10000); every run of the same settings
   plays the same puzzles.
+* The agent is shown the prompt of ``eval.prompt_mode`` on the states of ``eval.render_mode``
+  (the paper's validation: the base prompt on coordinates).
 * Each puzzle is played ``n`` times (``eval.n``, default ``eval.pass_k``) by sampling at
   ``rollout.temperature`` / ``rollout.top_p`` with ``rollout.max_new_tokens`` tokens a turn (the
   paper: 1.0, 1.0, 400). ``eval.pass_k`` larger than n is refused: Pass@k needs k <= n samples.
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.agent.env_manager import make_env
+from stages.agent.env_manager import check_modes
 from stages.agent.episode import episode_id
 from stages.agent.proxy import model_label, play
 from stages.common import artifacts, runs
@@ -65,7 +67,8 @@ def check(config: SPAConfig, backend: str) -> tuple[dict[str, Any], bool]:
     n, k = sample_plan(config.eval)
     out = Path(config.eval.out)
     check_out(out)
-    settings = reports.report_settings(config, make_env(config.env), n, k, model_label(config.model.name, backend))
+    env = check_modes(config.env, config.eval.prompt_mode, config.eval.render_mode, "eval")
+    settings = reports.report_settings(config, env, n, k, model_label(config.model.name, backend))
     key = {name: value for name, value in settings.items() if name not in RESUME_FREE}
     holds_run = out.exists() or reports.trajectories_path(out).exists()
     return settings, runs.start(out, key, config.eval.resume, "eval", holds_run)
@@ -76,7 +79,8 @@ def evaluate(config: SPAConfig, backend: Any, *, model: Any = None, tokenizer: A
     `tokenizer` (an HF causal LM and its tokenizer; default: the backend's, else loaded) measure the
     state perplexity when ``eval.state_ppl`` is on."""
     settings, resuming = check(config, backend.name)
-    n, seeds, env = settings["n"], eval_seeds(config.eval), make_env(config.env)
+    n, seeds = settings["n"], eval_seeds(config.eval)
+    env = check_modes(config.env, config.eval.prompt_mode, config.eval.render_mode, "eval")
     out, traj_path = Path(config.eval.out), reports.trajectories_path(config.eval.out)
     if not resuming:
         traj_path.unlink(missing_ok=True)
@@ -90,7 +94,8 @@ def evaluate(config: SPAConfig, backend: Any, *, model: Any = None, tokenizer: A
             appender.append(episode.to_json())
             bar.advance()
 
-        play(config.env, config.rollout, backend, seeds, n, model=config.model.name, skip_ids=frozenset(played),
+        play(config.env, config.rollout, backend, seeds, n, prompt_mode=config.eval.prompt_mode,
+             render_mode=config.eval.render_mode, model=config.model.name, skip_ids=frozenset(played),
              on_episode=keep)
     latest = {row["id"]: row for row in _rows(traj_path) if row["id"] in wanted}  # the last copy of an id wins
     trajectories = sorted(latest.values(), key=lambda row: (row["seed"], row["sample"]))
@@ -125,5 +130,5 @@ def _state_perplexity(config: SPAConfig, seeds: list[int], backend: Any, model: 
         from stages.common.models import load_model
 
         model, tokenizer = load_model(config.model)
-    return state_perplexity(model, tokenizer, config.env, seeds, prompt_mode=config.rollout.prompt_mode,
+    return state_perplexity(model, tokenizer, config.env, seeds, prompt_mode=config.eval.prompt_mode,
                             max_actions_per_traj=config.rollout.max_actions_per_traj)

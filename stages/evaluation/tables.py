@@ -21,12 +21,14 @@ def compare(paths: Sequence[str | Path], force: bool = False):
     k_header = f"Pass@{ks.pop()}" if len(ks) == 1 else "Pass@k"
     envs_ = sorted({row["env"] for row in rows})
     table = Table(title=f"spa eval: {', '.join(envs_)} (x10^-2, as the paper's tables)")
-    headers = ("report", "model", "Pass@1", k_header, "obs exact", "pred exact", "obs cells", "pred cells")
+    headers = ("report", "model", "prompt, states", "Pass@1", k_header, "obs exact", "pred exact", "obs cells",
+               "pred cells")
     for header in headers:
-        table.add_column(header, justify="left" if header in ("report", "model") else "right")
+        table.add_column(header, justify="left" if header in headers[:3] else "right")
     for row in rows:
         k_cell = _percent(row["pass@k"]) + ("" if k_header != "Pass@k" else f" (k={row['k']})")
-        table.add_row(row["report"], row["model"], _percent(row["pass@1"]), k_cell,
+        table.add_row(row["report"], row["model"], f"{row['prompt_mode']}, {row['render_mode']}",
+                      _percent(row["pass@1"]), k_cell,
                       _percent(row["observation_exact"]), _percent(row["prediction_exact"]),
                       _percent(row["observation_cells"]), _percent(row["prediction_cells"]))
     if len(rows) == 1:

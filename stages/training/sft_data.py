@@ -13,9 +13,23 @@ involved, so ChatML (SmolLM2, Qwen), Llama-3 and other templates work alike. A t
 rewrites assistant text (Qwen3 drops the `<think>` of past turns) cannot be matched: that row
 stops with a UserError that suggests one row per turn (`clean.unit=turn`).
 
-`mask_states=True` is the paper's masked ablation: tokens overlapping the contents of
-`<observation>...</observation>` and `<prediction>...</prediction>` get no loss; the tags stay
-trained. By default (the paper's main method) the states ARE trained, unlike SPA's released code.
+State text (`state_text`, the contents of `<observation>...</observation>` and
+`<prediction>...</prediction>` in assistant messages):
+
+* "trained" (default, the paper's method, eq. 2): the true states are text like any other, and
+  trained in trained turns, unlike SPA's released trainer;
+* "masked" (the paper's Fig. 4 ablation, what SPA's released trainer does): every such content, in
+  the trained turn and in the earlier assistant turns of the context, becomes the placeholder
+  `[MASKED]` (`MASK_PLACEHOLDER`) before tokenization, and the placeholder's tokens get no loss.
+  So the model never sees a true state in its own turns (the game's "State:" in the user
+  messages is the observation and stays) and is never trained to write one. Differences from
+  SPA's trainer: the placeholder is text, not an added special token (no new embedding row, so
+  checkpoints keep the base model's vocabulary), and the tags stay and are trained, so the model
+  still writes the format every parser looks for (SPA replaces tags and content by one token);
+* "untrained": the true states stay in the text, input and target, but carry no loss (the tags
+  are trained). The model reads true states in its past turns; it is not the paper's ablation.
+
+SPA's released parquet rows (`stages.common.spa_data`) are read like our JSONL rows (`read_rows`).
 
 Tokens after the last trained one are cut (they carry no loss: a trailing untrained turn, the
 template's final newline). Over-long rows are then left-truncated to `max_length` (the end of the
@@ -41,11 +55,15 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.agent.parsing import state_spans
+from stages.agent.parsing import STATE_PATTERNS, state_spans
+from stages.common import spa_data
 from stages.common.artifacts import read_jsonl
 from stages.common.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
+STATE_TEXT = ("trained", "masked", "untrained")
+#: What "masked" writes in place of every observation and prediction (the paper's "[MASKED]").
+MASK_PLACEHOLDER = "[MASKED]"
 
 
 @dataclass
@@ -86,7 +104,10 @@ class DataStats:
 
 
 def read_rows(path: str | Path, what: str = "training data") -> list[dict]:
-    """The rows of an SFT JSONL file, each checked to be a chat with at least one assistant turn."""
+    """The rows of an SFT file (our JSONL, or SPA's parquet), each checked to be a chat with at least
+    one assistant turn."""
+    if spa_data.is_parquet(path):
+        return spa_data.read_rows(path)
     rows, _ = read_jsonl(path, required=("messages",))
     if not rows:
         raise UserError(f"{what} {path} has no rows; write it with `spa clean` (or check the path)")
@@ -117,10 +138,25 @@ def row_id(row: dict, index: int) -> str:
 # ---- masks -------------------------------------------------------------------------------------
 
 
-def tokenize_row(tokenizer, messages: list[dict], max_length: int, mask_states: bool = False,
+def mask_states(messages: list[dict]) -> list[dict]:
+    """The messages with every observation and prediction content of the assistant messages
+    replaced by `MASK_PLACEHOLDER` (tags kept), the user and system messages as they are."""
+    def masked(content: str) -> str:
+        for pattern in STATE_PATTERNS.values():
+            content = pattern.sub(lambda m: m.group(1) + MASK_PLACEHOLDER + m.group(3), content)
+        return content
+
+    return [{**m, "content": masked(m["content"])} if m["role"] == "assistant" else m for m in messages]
+
+
+def tokenize_row(tokenizer, messages: list[dict], max_length: int, state_text: str = "trained",
                  row: str = "row") -> Example:
-    """Token ids and loss mask of one conversation (see the module docstring for the rules);
-    `row` names it in the Example and in errors."""
+    """Token ids and loss mask of one conversation (see the module docstring for the rules, and
+    for `state_text`); `row` names it in the Example and in errors."""
+    if state_text not in STATE_TEXT:
+        raise ValueError(f"state_text must be one of {', '.join(STATE_TEXT)}, got {state_text!r}")
+    if state_text == "masked":
+        messages = mask_states(messages)
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tokenizer.apply_chat_template(chat, tokenize=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -135,7 +171,7 @@ def tokenize_row(tokenizer, messages: list[dict], max_length: int, mask_states: 
         start, end = spans[i]
         limit = _next_start(spans, i, len(text))
         _mark_turn(mask, ids, offsets, start, end, limit, special)
-        if mask_states:
+        if state_text != "trained":  # "masked": the placeholders; "untrained": the true states
             for lo, hi in state_spans(text, start, end):
                 _mark(mask, offsets, lo, hi, 0)
     mask[0] = 0  # the first token has no context to be predicted from
@@ -239,13 +275,13 @@ def _truncate_left(example: Example, max_length: int) -> Example:
     return Example(example.id, example.input_ids[cut:], mask, truncated=cut)
 
 
-def tokenize_rows(rows: list[dict], tokenizer, max_length: int, mask_states: bool = False
+def tokenize_rows(rows: list[dict], tokenizer, max_length: int, state_text: str = "trained"
                   ) -> tuple[list[Example], DataStats]:
     """Tokenize every row; rows left without a trained token are dropped and counted."""
     examples, stats = [], DataStats(rows=len(rows))
     for index, row in enumerate(rows):
         rid = row_id(row, index)
-        example = tokenize_row(tokenizer, row["messages"], max_length, mask_states, row=rid)
+        example = tokenize_row(tokenizer, row["messages"], max_length, state_text, row=rid)
         if example.trained == 0:
             stats.dropped_empty += 1
             stats.dropped_ids.append(rid)

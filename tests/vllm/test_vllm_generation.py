@@ -23,6 +23,8 @@ from stages.common.models import load_model
 from stages.training.policy import StepPolicy
 from stages.training.ppo_samples import score, system_prompt_length, to_sample
 
+MODES = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
+
 
 def rollout_config(*sets: str):
     return load_config(None, ["rollout.max_turns=2", "rollout.max_new_tokens=48", "rollout.batch_size=16",
@@ -32,7 +34,7 @@ def rollout_config(*sets: str):
 @pytest.fixture(scope="module")
 def engine(tokenizer):
     config = rollout_config("rollout.backend=vllm")
-    backend = make_backend(config.model, config.rollout, tokenizer=tokenizer)
+    backend = make_backend(config.model, config.rollout, prompt_mode="world_model", tokenizer=tokenizer)
     yield backend
     backend.close()
 
@@ -62,8 +64,8 @@ def test_greedy_episodes_equal_the_hf_backends_token_for_token(engine, hf_backen
     same token sequences (prompt, completion, environment reply, next completion)."""
     config = rollout_config("rollout.temperature=0")
     seeds = [123, 124, 125, 126]
-    ours = play(config.env, config.rollout, engine, seeds, 1)
-    reference = play(config.env, config.rollout, hf_backend, seeds, 1)
+    ours = play(config.env, config.rollout, engine, seeds, 1, **MODES)
+    reference = play(config.env, config.rollout, hf_backend, seeds, 1, **MODES)
     assert sum(len(e.turns) for e in ours) > len(seeds)  # some episodes reached their second turn
     for a, b in zip(ours, reference):
         assert [t.response for t in a.turns] == [t.response for t in b.turns]
@@ -75,7 +77,7 @@ def test_sampled_logprobs_are_the_trainers(engine, hf, tokenizer, record_propert
     """PPO's check: the trainer's log-prob of each sampled token (at the sampling temperature) is
     the one vLLM reported."""
     config = rollout_config()
-    episodes = play(config.env, config.rollout, engine, [200, 201], 4)
+    episodes = play(config.env, config.rollout, engine, [200, 201], 4, **MODES)
     assert len({tuple(e.token_ids) for e in episodes[:4]}) > 1  # a group's samples differ
     system = system_prompt_length(tokenizer, episodes[0].token_ids)
     samples = [to_sample(e, "assistant", system) for e in episodes]
@@ -123,7 +125,7 @@ def test_each_turn_extends_the_last_prompt_with_the_sampled_tokens(engine, token
             engine.release(keys)
 
     config = rollout_config("rollout.max_turns=3", "rollout.max_new_tokens=32")
-    episodes = play(config.env, config.rollout, Recording(), [300, 301], 2)
+    episodes = play(config.env, config.rollout, Recording(), [300, 301], 2, **MODES)
     extended = 0
     for earlier, later in itertools.pairwise(calls):
         for key, (prompt, _) in later.items():

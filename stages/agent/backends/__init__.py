@@ -31,8 +31,10 @@ __all__ = ["BACKENDS", "Completion", "GenerationBackend", "GenerationRequest", "
 BACKENDS = ("hf", "vllm", "random")
 
 
-def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, model=None, tokenizer=None) -> GenerationBackend:
-    """The backend `rollout.backend` names, for the model `model_config` names.
+def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, prompt_mode: str, model=None,
+                 tokenizer=None) -> GenerationBackend:
+    """The backend `rollout.backend` names, for the model `model_config` names, to play with the
+    `prompt_mode` prompt (which the random backend writes its responses in).
 
     hf: generates with `model`/`tokenizer` when given (PPO passes its live actor, so rollouts use
     the current weights), else loads them. vllm: loads the model into a vLLM engine (`tokenizer`,
@@ -47,7 +49,7 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, model=Non
     if kind == "random":
         from stages.agent.backends.random import RandomBackend
 
-        return RandomBackend(rollout.prompt_mode, rollout.sample_seed, actions_per_turn=3)
+        return RandomBackend(prompt_mode, rollout.sample_seed, actions_per_turn=3)
     from stages.common.models import load_model, load_tokenizer, resolve_model
 
     path = resolve_model(model_config.name)

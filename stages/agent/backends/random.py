@@ -32,7 +32,7 @@ class RandomBackend:
     tokenizer = None  # text only
     model = None  # no Hugging Face model in this process
 
-    def __init__(self, prompt_mode: str = "world_model", seed: int = 0, actions_per_turn: int = 3):
+    def __init__(self, prompt_mode: str, seed: int = 0, actions_per_turn: int = 3):
         if prompt_mode not in PROMPT_MODES:
             raise UserError(f"prompt_mode must be one of {', '.join(PROMPT_MODES)}, got {prompt_mode!r}")
         if actions_per_turn < 1:
