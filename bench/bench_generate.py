@@ -91,6 +91,7 @@ def child(variant: str, args: argparse.Namespace) -> dict:
         f"model.dtype={'bfloat16' if variant == 'engine_bf16' else 'float32'}", "quiet=true"])
     if not torch.cuda.is_available():
         config.model.device = "cpu"
+    modes = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
     torch.manual_seed(0)
     start = time.perf_counter()
     if variant == "naive":
@@ -100,7 +101,6 @@ def child(variant: str, args: argparse.Namespace) -> dict:
         backend = make_backend(config.model, config.rollout, prompt_mode=modes["prompt_mode"])
     startup = time.perf_counter() - start
     warmup = load_config(None, [f"env.name={args.env}", "rollout.max_turns=1", "rollout.max_new_tokens=4"])
-    modes = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
     play(warmup.env, warmup.rollout, backend, [0], 1, **modes)  # one-off costs (kernel selection, vocabulary scan)
     if hasattr(backend, "reset"):
         backend.reset()  # nothing cached from the warm-up
