@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.parsing import replace_states, well_formed
-from stages.common import artifacts
+from stages.common import artifacts, distributed
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -59,6 +59,7 @@ REQUIRED = ("id", "messages", "turns")
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Clean `clean.data` into `clean.out` (+ its .val file); return and print the counts."""
+    distributed.require_one_process("clean", "run it without torchrun / deepspeed (it takes seconds)")
     options = config.clean
     check_options(config)
     rows, bad_lines = artifacts.read_jsonl(options.data, skip_bad=options.skip_bad, required=REQUIRED)

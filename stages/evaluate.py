@@ -7,6 +7,10 @@ The model is opened through `stages.agent.backends.make_backend` (``rollout.back
 itself is `stages.evaluation.runner` (the protocol is in its docstring), the report's layout and
 comparison `stages.evaluation.reports`, its tables `stages.evaluation.tables` and its plots
 `stages.evaluation.plots`.
+
+Under a launcher (`torchrun --nproc_per_node N -m spa_cli eval ...`) each rank opens its own
+backend on its own device and plays its share of the seeds; rank 0 writes the one report and
+trajectory file, equal to a one-process eval's (`stages.evaluation.runner`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from stages.agent.backends import make_backend
-from stages.common.config import SPAConfig
+from stages.common import distributed
+from stages.common.config import SPAConfig, to_dict
+from stages.common.models import pick_device
 from stages.evaluation.runner import check, evaluate
 
 
@@ -23,5 +29,13 @@ def run(config: SPAConfig, backend: Any = None) -> dict:
     notebook's or a test's) replaces the one `rollout.backend` would open."""
     if backend is None:
         check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
+        dist = distributed.start(_device(config), to_dict(config))
         backend = make_backend(config.model, config.rollout)
-    return evaluate(config, backend)
+    else:
+        dist = distributed.start("cpu", to_dict(config))
+    return evaluate(config, backend, dist=dist)
+
+
+def _device(config: SPAConfig) -> str:
+    """Where this rank's backend runs (the random backend needs no model: the CPU)."""
+    return "cpu" if config.rollout.backend == "random" else pick_device(config.model.device)

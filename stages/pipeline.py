@@ -33,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from stages.common import artifacts
+from stages.common import artifacts, distributed
 from stages.common.config import SPAConfig
 from stages.common.console import Console
 
@@ -158,6 +158,8 @@ def stage_outputs(name: str, config: SPAConfig) -> list[Path]:
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Run (or continue) every stage; return the comparison rows and what was skipped."""
+    distributed.require_one_process("pipeline", "run it in one process, or run its stages one by one, generate, "
+                                    "sft, ppo and eval under the launcher (README: \"The paper's recipe on GPUs\")")
     console = Console(config.quiet)
     run_dir = Layout(config.pipeline.dir)
     run_dir.root.mkdir(parents=True, exist_ok=True)
