@@ -459,6 +459,7 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample]) -
         "sequence_length": sum(f["sequence_length"] for f in figures) / n,
         "kept_episodes": len(kept),
         "kept_reward": sum(e.total_reward for e in kept) / len(kept),
+        "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
     diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples if s.sampler_logprobs is not None]
     if diffs:

@@ -6,8 +6,8 @@ describes the run in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 `start` joins the run in three steps, before the stage writes anything:
 
 1. **Rendezvous**: every rank checks in at the TCP store at MASTER_ADDR:MASTER_PORT (torchrun's
-   own store, or one that rank 0 opens). A rank that cannot reach the others within
-   ``SPA_DIST_START_TIMEOUT`` seconds (default 300) stops with one line naming the missing ranks.
+   own store, or one that rank 0 opens). When the ranks have not all met within
+   ``SPA_DIST_START_TIMEOUT`` seconds (default 300), each rank stops with one line.
 2. **Same config**: each rank leaves the hash of its config there; if a rank's differs from rank
    0's, every rank stops with one line naming the first setting that differs.
 3. **Process group**: gloo on the CPU, NCCL on CUDA. Its collectives wait up to
@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -155,22 +156,21 @@ def _rendezvous(rank: int, world: int, config: dict[str, Any]):
 
     seconds = _timeout(START_TIMEOUT_ENV, START_TIMEOUT_S)
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+    def unreachable(err: BaseException) -> UserError:
+        return UserError(f"rank {rank} of {world} did not meet the other ranks at {address} within {seconds:g} s "
+                         f"({_first_line(err)}); start every rank with the same command, MASTER_ADDR and "
+                         f"MASTER_PORT, or raise {START_TIMEOUT_ENV}")
+
     try:
+        if rank > 0 or _agent_store():  # a client: wait for the store quietly (torch logs every failed try)
+            _wait_for_port(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), seconds)
         store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=timedelta(seconds=seconds)))
-    except (DistError, RuntimeError, ValueError) as err:
-        raise UserError(f"rank {rank} could not reach the run's rendezvous at {address} within {seconds:g} s "
-                        f"({_first_line(err)}); start every rank with the same command and MASTER_ADDR/MASTER_PORT, "
-                        f"or raise {START_TIMEOUT_ENV}") from None
-    spa = PrefixStore("spa-start", store)
-    text = json.dumps(config, sort_keys=True, default=str)
-    spa.set(f"config/{rank}", text)
-    try:
+        spa = PrefixStore("spa-start", store)
+        spa.set(f"config/{rank}", json.dumps(config, sort_keys=True, default=str))
         spa.wait([f"config/{r}" for r in range(world)], timedelta(seconds=seconds))
-    except (DistError, RuntimeError) as err:
-        absent = [str(r) for r in range(world) if not _has(spa, f"config/{r}")]
-        who = f"rank(s) {', '.join(absent)}" if absent else "the run's rendezvous"
-        raise UserError(f"rank {rank} waited {seconds:g} s at {address} for {who} ({_first_line(err)}); start every "
-                        f"rank (WORLD_SIZE={world}), or raise {START_TIMEOUT_ENV}") from None
+    except (DistError, RuntimeError, ValueError, OSError) as err:
+        raise unreachable(err) from None
     configs = [json.loads(spa.get(f"config/{r}")) for r in range(world)]
     spa.set(f"read/{rank}", "1")
     digests = [hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest() for c in configs]
@@ -187,11 +187,17 @@ def _rendezvous(rank: int, world: int, config: dict[str, Any]):
     return store
 
 
-def _has(store, key: str) -> bool:
-    try:
-        return store.check([key])
-    except Exception:  # noqa: BLE001 - the store itself is gone: the key is not there
-        return False
+def _wait_for_port(host: str, port: int, seconds: float) -> None:
+    """Return once `host:port` accepts a connection; OSError after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, seconds)):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing answered at {host}:{port}: {err.strerror or err}") from None
+            time.sleep(0.5)
 
 
 def _agent_store() -> bool:

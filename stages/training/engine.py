@@ -3,9 +3,9 @@
 * `zero_stage` 1/2/3: `deepspeed.initialize` with a config built from `configs/deepspeed/zero{2,3}.json`
   (stage 1 uses the zero2 file) whose "auto" values are filled from the stage config. It runs on
   CUDA (bf16, NCCL) and on the CPU through DeepSpeed's CPU accelerator (gloo). A single
-  process needs no launcher (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT default to a
-  one-process group on a free port); several GPUs come from `deepspeed --no_local_rank` or
-  `torchrun`, which set those variables. `offload` moves the optimizer (and under ZeRO-3 the
+  process needs no launcher (a one-process group on a free port); several GPUs or nodes come from
+  `torchrun` or `deepspeed --no_local_rank`, whose ranks `stages.common.distributed.start` joins
+  (rendezvous with a timeout, the same config on every rank). `offload` moves the optimizer (and under ZeRO-3 the
   parameters) to the CPU; on a CPU-only run it has nothing to offload from and is ignored.
 * `zero_stage` 0: plain torch, one process, no DeepSpeed: fp32 weights (under bf16 autocast when
   the model dtype is bfloat16), fused AdamW. It is the fallback where DeepSpeed cannot start and
