@@ -71,6 +71,7 @@ def worker(args: argparse.Namespace) -> None:
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_turns=1",
         f"rollout.batch_size={args.group_size}", f"ppo.steps={args.steps}", "ppo.filter_ratio=1.0",
         f"ppo.mini_batch={episodes}", "ppo.val_every=0", f"ppo.save_every={args.steps + 1}",
+        f"ppo.micro_batch_tokens={args.micro_batch_tokens}",
     ])
     ppo.run(config)
     if int(os.environ.get("RANK", "0")) == 0:  # from one step's start to the next (the last step also saves final/)
@@ -118,7 +119,7 @@ def measure(args: argparse.Namespace, world: int) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
                str(free_port()), str(Path(__file__).resolve()), "--worker", "--out", str(out),
                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("model", "env", "steps", "groups", "group_size", "max_new_tokens"))]
+                 if k in ("model", "env", "steps", "groups", "group_size", "max_new_tokens", "micro_batch_tokens"))]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -165,6 +166,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="a multiple of every world size measured")
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096,
+                        help="ppo.micro_batch_tokens: fewer tokens, more backward passes a step")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -173,7 +176,8 @@ def main() -> None:
         worker(args)
         return
     result = {"model": args.model, "env": args.env, "device": "cpu", "cpus": os.cpu_count(), "steps": args.steps,
-              "episodes_per_step": args.groups * args.group_size, "max_new_tokens": args.max_new_tokens}
+              "episodes_per_step": args.groups * args.group_size, "max_new_tokens": args.max_new_tokens,
+              "micro_batch_tokens": args.micro_batch_tokens}
     for world in args.worlds:
         result[f"ranks_{world}"] = measure(args, world)
     print(json.dumps(result))

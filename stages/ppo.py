@@ -68,8 +68,8 @@ Simplifications compared with verl/RAGEN (SPA's trainer), nanochat style:
 * float16 is refused: loss scaling is not worth it when bf16 exists. ZeRO-3 keeps, on every
   rank, an unsharded copy of the actor for the hf backend (and the state perplexity of the
   validation), since generation cannot run collectively on shards when ranks play different
-  episodes; that copy is the memory ZeRO-3 otherwise saves, so ZeRO-3 pays off with vLLM, whose
-  engine holds its own copy anyway.
+  episodes. The copy costs the 2 bytes a parameter of the weights that ZeRO-3 would otherwise
+  shard, so ZeRO-3 pays off most with vLLM, whose engine holds its own copy anyway.
 * The critic is the same network (a copy of the same checkpoint) with its LM head replaced by a
   linear value head, zero-initialised so that the first values are 0.
 * Each step's rollouts start with empty KV caches, so a resumed run samples exactly what an

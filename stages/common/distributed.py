@@ -112,8 +112,8 @@ def start(device: str, config: dict[str, Any], need_group: bool = False) -> Dist
     """Join the run the launcher started (see the module docstring) and return this process's
     place in it. `config` is what every rank must agree on (the stage's whole config).
 
-    One process without a launcher gets no process group, unless `need_group` (DeepSpeed wants one
-    even then): a one-process group on a free local port.
+    One process gets no process group, unless `need_group` (DeepSpeed wants one even then): a
+    one-process group on a free local port.
     """
     world = launched_world()
     if world == 1 and not need_group:
@@ -123,12 +123,14 @@ def start(device: str, config: dict[str, Any], need_group: bool = False) -> Dist
         if missing:
             raise UserError(f"WORLD_SIZE is {world} but {', '.join(missing)} not set; start spa through torchrun "
                             "or deepspeed, which set them")
-    else:
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("WORLD_SIZE", "1")
     import torch
+
+    if world == 1 and not torch.distributed.is_initialized():
+        # A group of one on a port of its own, whatever an earlier run left in the environment (a
+        # child of a process that ran a stage inherits its MASTER_PORT, where that store listens).
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
 
     rank, local_rank = launched_rank(), _env_int("LOCAL_RANK", 0)
     if rank >= world:
