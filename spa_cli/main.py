@@ -114,12 +114,29 @@ def user_errors(command: Callable) -> Callable:
             where = f": {err.filename}" if err.filename else ""
             _fail(f"{err.strerror}{where}; {OS_ERROR_FIXES[err.errno]}")
         except KeyboardInterrupt:
-            # a stage continues an existing run only when told to
-            again = "again with --resume" if "resume" in kwargs and not kwargs["resume"] else "again"
-            err_console.print(f"interrupted; run the same command {again} to resume", highlight=False)
-            raise typer.Exit(130) from None
+            _stop_resumably("interrupted", kwargs)
+        except Exception as err:
+            from stages.common.distributed import lost_peer
+
+            if not lost_peer(err):
+                raise
+            _stop_resumably("another rank of this run stopped, so this one stops too", kwargs)
 
     return wrapper
+
+
+def _stop_resumably(what: str, kwargs: dict[str, Any]) -> None:
+    """End a stage that can be resumed (exit 130), saying how."""
+    again = "again with --resume" if "resume" in kwargs and not kwargs["resume"] else "again"  # only when told to
+    err_console.print(f"{what}; run the same command {again} to resume", highlight=False)
+    raise typer.Exit(130) from None
+
+
+def _main_rank() -> bool:
+    """Rank 0 of a launched run (or the only process) prints the results."""
+    from stages.common.distributed import launched_rank
+
+    return launched_rank() == 0
 
 
 def _fail(message: str) -> None:
@@ -249,9 +266,10 @@ def eval_(
                 eval__prompt_mode=prompt_mode, eval__render_mode=render_mode, eval__state_ppl=state_ppl,
                 eval__out=out, eval__resume=resume)
     report = stage.run(cfg)
-    tables.print_report(report)
-    if plot is not None:
-        plots.plot_pass_at_k(report, plot)
+    if _main_rank():  # under a launcher every rank returns the report; one prints it
+        tables.print_report(report)
+        if plot is not None:
+            plots.plot_pass_at_k(report, plot)
 
 
 @eval_app.command("compare")
@@ -338,7 +356,9 @@ def play(
 ) -> None:
     """Play a game in the terminal: the state with coordinates, the reward, done."""
     import envs as registry
+    from stages.common.distributed import require_one_process
 
+    require_one_process("play", "run it without torchrun / deepspeed")
     if seed < 0:
         _fail(f"--seed must be >= 0, got {seed}")
     if render_mode is None:

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.parsing import replace_states, well_formed
-from stages.common import artifacts, spa_data
+from stages.common import artifacts, distributed, spa_data
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -77,6 +77,7 @@ REQUIRED = ("id", "messages", "turns")
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Clean `clean.data` into `clean.out` (+ its .val file); return and print the counts."""
+    distributed.require_one_process("clean", "run it without torchrun / deepspeed (it takes seconds)")
     options = config.clean
     check_options(config)
     data, spa_val = spa_data.locate(options.data)

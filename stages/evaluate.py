@@ -7,24 +7,33 @@ The model is opened through `stages.agent.backends.make_backend` (``rollout.back
 itself is `stages.evaluation.runner` (the protocol is in its docstring), the report's layout and
 comparison `stages.evaluation.reports`, its tables `stages.evaluation.tables` and its plots
 `stages.evaluation.plots`.
+
+Under a launcher (`torchrun --nproc_per_node N -m spa_cli eval ...`) each rank opens its own
+backend on its own device and plays its share of the seeds; rank 0 writes the one report and
+trajectory file, equal to a one-process eval's (`stages.evaluation.runner`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stages.agent.backends import make_backend
-from stages.common.config import SPAConfig
+from stages.agent.backends import backend_device, make_backend
+from stages.common import distributed
+from stages.common.config import SPAConfig, to_dict
 from stages.evaluation.runner import check, evaluate
 
 
 def run(config: SPAConfig, backend: Any = None) -> dict:
     """Run the eval that ``config`` describes; write and return the report. `backend` (a
     notebook's or a test's) replaces the one `rollout.backend` would open."""
-    if backend is not None:
-        return evaluate(config, backend)
-    check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
-    backend = make_backend(config.model, config.rollout, prompt_mode=config.eval.prompt_mode)
-    report = evaluate(config, backend)
-    backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
+    opened = backend is None
+    if opened:
+        check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
+        dist = distributed.start(backend_device(config.model, config.rollout), to_dict(config))
+        backend = make_backend(config.model, config.rollout, prompt_mode=config.eval.prompt_mode)
+    else:
+        dist = distributed.start("cpu", to_dict(config))
+    report = evaluate(config, backend, dist=dist)
+    if opened:
+        backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
     return report

@@ -10,21 +10,26 @@ into a file made with other settings is refused rather than mixing two datasets 
 `group_size`, `seed` and throughput settings may change, which add episodes without changing how
 they are made).
 
+Under a launcher (`torchrun --nproc_per_node N -m spa_cli generate ...`) each rank opens its own
+backend and plays its share of the groups (`stages.agent.proxy.play_shared`); rank 0 writes the
+one file, holding the episodes a one-process run with the same seeds writes.
+
 SPA generates 5 batches x 32 groups x 8 samples = 1280 trajectories from seeds 10000-10159; here
 that is one command with `--groups 160`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
-from stages.agent.backends import make_backend
+from stages.agent.backends import backend_device, make_backend
 from stages.agent.env_manager import check_modes
 from stages.agent.episode import Episode, episode_id
-from stages.agent.proxy import model_label, play
-from stages.common import artifacts, runs
+from stages.agent.proxy import model_label, play_shared
+from stages.common import artifacts, distributed, runs
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -36,7 +41,7 @@ RESUMABLE = ("groups", "group_size", "seed", "batch_size", "gpu_memory_utilizati
 def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
     """Play the episodes the config asks for that `generate.out` lacks; return and print a summary.
     `backend` (a notebook's or a test's) replaces the one `rollout.backend` would open."""
-    out, console = Path(config.generate.out), Console(config.quiet)
+    out = Path(config.generate.out)
     modes = {"prompt_mode": config.generate.prompt_mode, "render_mode": config.generate.render_mode}
     check_modes(config.env, **modes, section="generate")  # the game, its options and modes
     if out.is_dir():
@@ -44,34 +49,45 @@ def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
     artifacts.check_writable(out)
     resuming = runs.start(out, settings(config), config.generate.resume, "generate",
                           holds_run=out.is_file() and out.stat().st_size > 0)
+    dist = distributed.start(backend_device(config.model, config.rollout) if backend is None else "cpu",
+                             to_dict(config))
+    console = Console(config.quiet or not dist.main)
     opened = backend is None
     if opened:
         backend = make_backend(config.model, config.rollout, prompt_mode=config.generate.prompt_mode)
-    runs.record(out, "generate", to_dict(config), settings(config), summary=None)  # before any episode
+    if dist.main:
+        runs.record(out, "generate", to_dict(config), settings(config), summary=None)  # before any episode
+        if resuming:
+            artifacts.JsonlAppender(out).close()  # drop a line torn by a kill before reading
+        else:
+            out.unlink(missing_ok=True)
+    distributed.barrier(dist)
     done_ids = _episodes_in(out) if resuming else set()
-    if not resuming:
-        out.unlink(missing_ok=True)
 
     rollout = config.rollout
     seeds = list(range(rollout.seed, rollout.seed + rollout.groups))
     wanted = [episode_id(config.env.name, seed, sample) for seed in seeds for sample in range(rollout.group_size)]
     todo = [key for key in wanted if key not in done_ids]
     tally = _Tally()
-    with artifacts.JsonlAppender(out) as appender, \
-            console.progress("generate", len(wanted), len(wanted) - len(todo), transient=True) as bar:
+    appender = artifacts.JsonlAppender(out) if dist.main else contextlib.nullcontext()
+    with appender, console.progress("generate", len(wanted), len(wanted) - len(todo), transient=True) as bar:
         def keep(episode: Episode) -> None:
-            appender.append(episode.to_json())
+            if dist.main:
+                appender.append(episode.to_json())
             tally.episode(episode)
             bar.advance(1, tally.figures())
 
-        play(config.env, rollout, backend, seeds, rollout.group_size, **modes, model=config.model.name,
-             skip_ids=frozenset(done_ids), on_episode=keep, progress=tally.tokens)
+        play_shared(config.env, rollout, backend, seeds, rollout.group_size, dist, **modes, model=config.model.name,
+                    skip_ids=frozenset(done_ids), on_episode=keep, progress=tally.tokens)
     if opened:
         backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
-    summary = summarize(out, set(wanted), new=len(todo), seconds=tally.seconds(), tokens=tally.generated)
-    runs.record(out, "generate", to_dict(config), settings(config), summary=summary)
-    print_summary(summary, console)
-    return summary
+    (generated,) = distributed.all_reduce_sum([tally.generated], dist)
+    summary = None
+    if dist.main:
+        summary = summarize(out, set(wanted), new=len(todo), seconds=tally.seconds(), tokens=int(generated))
+        runs.record(out, "generate", to_dict(config), settings(config), summary=summary)
+        print_summary(summary, console)
+    return distributed.broadcast(summary, dist)
 
 
 def settings(config: SPAConfig) -> dict[str, Any]:
@@ -83,7 +99,6 @@ def settings(config: SPAConfig) -> dict[str, Any]:
 
 
 def _episodes_in(out: Path) -> set[str]:
-    artifacts.JsonlAppender(out).close()  # drop a line torn by a kill before reading
     rows, _ = artifacts.read_jsonl(out, skip_bad=True, required=("id",))
     return {row["id"] for row in rows}
 

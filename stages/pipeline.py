@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.env_manager import check_modes
-from stages.common import artifacts, spa_data
+from stages.common import artifacts, distributed, spa_data
 from stages.common.config import EnvConfig, SPAConfig, from_dict, with_overrides
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -574,6 +574,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
     """Run (or continue) every stage of every arm; return the comparison and what was skipped."""
     from stages.agent.backends import check_backend
 
+    distributed.require_one_process("pipeline", "run it in one process, or run its stages one by one, generate, "
+                                    "sft, ppo and eval under the launcher (README: \"The paper's recipe on GPUs\")")
     console = Console(config.quiet)
     check_backend(config.model, config.rollout)  # a missing vLLM fails now, not after the SFT
     the_plan = plan(config)

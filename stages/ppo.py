@@ -6,11 +6,12 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
 1. **Rollout**: ``rollout.groups x rollout.group_size`` episodes on fresh train seeds (the seed
    counter starts at ``rollout.seed`` and advances by ``groups`` every step), played by the live
    actor with the prompt of ``ppo.prompt_mode`` on the states of ``ppo.render_mode`` (the paper's:
-   base prompt, coordinates): the hf backend generates with the actor model itself; the vllm
-   backend gets the actor's weights after every update (and after a resume), and on a GPU sleeps
-   during the update, its memory handed to training. An episode's score (the sum of its turn
-   rewards and format penalties, plus VAGEN's state rewards with ``ppo.state_reward``) is the
-   reward of its last sampled token. Validation plays the ``eval.*`` prompt and render mode.
+   base prompt, coordinates): the hf backend generates with the actor model itself (under ZeRO-3
+   with an unsharded copy refreshed after every update); the vllm backend gets the actor's weights
+   after every update (and after a resume), and on a GPU sleeps during the update, its memory
+   handed to training. An episode's score (the sum of its turn rewards and format penalties, plus
+   VAGEN's state rewards with ``ppo.state_reward``) is the reward of its last sampled token.
+   Validation plays the ``eval.*`` prompt and render mode.
 2. **Filter**: keep the ``ppo.filter_ratio`` of groups with the largest reward std (SPA: 8 of 32).
 3. **Old log-probs and values**: a no-grad pass of the actor (and of the frozen reference when
    ``ppo.kl_coef > 0``) and of the critic over the kept episodes. The mean |logp_trainer -
@@ -30,6 +31,28 @@ sampled tokens ("assistant", the paper) or every token after the system prompt (
 released config). Only masked positions are PPO steps, and the actor's and critic's heads run at
 those positions only, so prompt and environment tokens cost no vocabulary projection.
 
+**Several processes** (``torchrun --nproc_per_node N -m spa_cli ppo ...``, ``deepspeed --num_gpus N
+--no_local_rank --module spa_cli ppo ...``, and their multi-node options) make one data-parallel
+run; ``rollout.groups`` and ``ppo.mini_batch`` must split evenly over the N ranks, and a
+launcher needs ZeRO (``ppo.zero_stage`` 1-3). In each step:
+
+* rank r plays its contiguous block of groups (``groups / N``, a group never split) on its own
+  rollout engine; ranks play the same episodes a single process would when
+  ``rollout.batch_size`` divides a rank's episodes (``groups / N x group_size``), since the
+  sampler is seeded per wave (`stages.agent.proxy`); otherwise the waves, and so the draws, differ;
+* every episode's score and group are gathered, so every rank's filter keeps the groups one
+  process would keep; the kept episodes are gathered on every rank (a few MB of token ids);
+* each mini-batch is split into N equal parts balanced by tokens (`ppo_samples.rank_shares`);
+  every rank scores its part (old log-probs, values), the scores are gathered, and every rank
+  computes the advantages of the whole batch (the whitening sees every token, as in one process);
+* each rank backpropagates its part of every mini-batch, each loss divided by the token count of
+  the WHOLE mini-batch; DeepSpeed sums the gradients over ranks (`engine.DeepSpeedEngine.backward`
+  undoes its averaging), so the update is the token mean over all ranks' tokens, not a mean of
+  per-rank means, and equals one process's up to float rounding;
+* every rank hands the new weights to its own rollout engine (under ZeRO-3 each parameter is
+  gathered once and every rank pushes it); rank 0 writes metrics, checkpoints and validation
+  reports (validation plays its seeds split over the ranks), and every rank resumes from them.
+
 Outputs in ``ppo.out``, the run directory of `stages.training.checkpoints`: ``metrics.jsonl`` (one
 line per step; step 0 holds the validation before training), ``step-N/`` every ``ppo.save_every``
 steps and ``final/`` (Hugging Face directories of the actor with its tokenizer),
@@ -40,12 +63,16 @@ with each checkpoint.
 
 Simplifications compared with verl/RAGEN (SPA's trainer), nanochat style:
 
-* One process: rollout and training share the actor; no Ray, no resharding, no multi-GPU PPO.
+* Rollout and training share each rank's process and device: no Ray, no separate rollout workers,
+  no tensor-parallel rollouts (a rank's engine holds the whole model).
 * The KL term, when on, is a loss term (``kl_coef`` x the k3 estimator, verl's ``use_kl_loss``),
   not a reward penalty; SPA has it off.
 * Dropout is switched off in actor and critic, so old and new log-probs are comparable.
-* ZeRO-3 and float16 are refused: the hf backend generates with the live, unsharded actor, and
-  loss scaling is not worth it when bf16 exists.
+* float16 is refused: loss scaling is not worth it when bf16 exists. ZeRO-3 keeps, on every
+  rank, an unsharded copy of the actor for the hf backend (and the state perplexity of the
+  validation), since generation cannot run collectively on shards when ranks play different
+  episodes. The copy costs the 2 bytes a parameter of the weights that ZeRO-3 would otherwise
+  shard, so ZeRO-3 pays off most with vLLM, whose engine holds its own copy anyway.
 * The critic is the same network (a copy of the same checkpoint) with its LM head replaced by a
   linear value head, zero-initialised so that the first values are 0.
 * Each step's rollouts start with empty KV caches, so a resumed run samples exactly what an
@@ -72,9 +99,10 @@ from stages.agent.backends import check_backend, make_backend
 from stages.agent.env_manager import check_modes
 from stages.agent.proxy import play
 from stages.agent.states import StateReward
-from stages.common import artifacts
+from stages.common import distributed
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
+from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
 from stages.training import engine as eng
@@ -87,8 +115,9 @@ from stages.training.ppo_samples import (
     collate,
     compute_advantages,
     flat,
-    micro_batches,
     padded,
+    rank_micro_batches,
+    rank_shares,
     score,
     step_mask,
     system_prompt_length,
@@ -107,8 +136,8 @@ RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch
 # ---- configuration checks ------------------------------------------------------------------------
 
 
-def check_config(config: SPAConfig) -> None:
-    """Refuse settings PPO cannot run with, each with one line that names the numbers."""
+def check_config(config: SPAConfig, world: int = 1) -> None:
+    """Refuse settings PPO cannot run with, on `world` ranks, each with one line that names the numbers."""
     ppo, rollout = config.ppo, config.rollout
     env = check_modes(config.env, ppo.prompt_mode, ppo.render_mode, "ppo")  # the game, its options and modes
     if ppo.val_every:
@@ -123,8 +152,6 @@ def check_config(config: SPAConfig) -> None:
         raise UserError("ppo trains on each episode as one token sequence; set rollout.history_window=null")
     if rollout.temperature <= 0:
         raise UserError(f"ppo samples its rollouts: rollout.temperature must be > 0, got {rollout.temperature}")
-    if ppo.zero_stage == 3:
-        raise UserError("ppo.zero_stage=3 is not supported (the rollouts use the live, unsharded actor); use 0-2")
     if config.model.dtype == "float16":
         raise UserError("ppo trains in float32 or bfloat16; set model.dtype to auto, float32 or bfloat16")
     if ppo.advantage == "grpo" and rollout.group_size < 2:
@@ -137,6 +164,25 @@ def check_config(config: SPAConfig) -> None:
             f"rollout.groups={rollout.groups} x ppo.filter_ratio={ppo.filter_ratio} -> {kept_groups} groups "
             f"x rollout.group_size={rollout.group_size} = {kept}; pick a mini_batch that divides {kept}")
     check_backend(config.model, rollout)  # vLLM installed, the model's architecture, the memory
+    if world > 1:
+        _check_world(config, world)
+
+
+def _check_world(config: SPAConfig, world: int) -> None:
+    """The launcher's world size against the groups (a group is played by one rank) and the
+    mini-batch (split evenly for the update)."""
+    ppo, rollout = config.ppo, config.rollout
+    if ppo.zero_stage == 0:
+        raise UserError(f"ppo.zero_stage=0 (plain torch) runs one process, but a launcher started {world}; "
+                        "use --set ppo.zero_stage=2 (or 1, 3) under torchrun / deepspeed")
+    if rollout.groups % world:
+        raise UserError(f"rollout.groups={rollout.groups} does not split over the {world} ranks the launcher "
+                        f"started (each rank plays whole groups); use a multiple of {world} groups, or a number "
+                        f"of ranks that divides {rollout.groups}")
+    if ppo.mini_batch % world:
+        raise UserError(f"ppo.mini_batch={ppo.mini_batch} does not split over the {world} ranks the launcher "
+                        f"started (each rank trains an equal part); use a multiple of {world}, or a number of "
+                        f"ranks that divides {ppo.mini_batch}")
 
 
 def settings(config: SPAConfig) -> dict[str, Any]:
@@ -151,12 +197,16 @@ def settings(config: SPAConfig) -> dict[str, Any]:
 
 @dataclass
 class Models:
-    actor: nn.Module  # the HF causal LM that the hf backend generates with
+    actor: nn.Module  # the HF causal LM inside the actor engine (sharded under ZeRO-3)
     tokenizer: Any
     actor_engine: Any  # trains StepPolicy(actor)
     critic_engine: Any | None  # trains ValueModel; None for GRPO
     reference: StepPolicy | None  # frozen copy of the initial actor; None without a KL term
-    dist: eng.Dist
+    # The unsharded HF model the hf backend generates with (and validation's state perplexity
+    # reads): the actor itself, or under ZeRO-3 a copy refreshed after every update (None when
+    # nothing needs one: vllm rollouts without state perplexity).
+    generator: nn.Module | None
+    dist: Dist
 
 
 def build_models(config: SPAConfig) -> Models:
@@ -166,7 +216,7 @@ def build_models(config: SPAConfig) -> Models:
 
     m, ppo = config.model, config.ppo
     resolve_model(m.name)  # a bad --model fails here, before DeepSpeed starts
-    dist = trainable.start_processes(m, ppo.zero_stage, ppo.gradient_checkpointing)
+    dist = trainable.start_processes(m, ppo.zero_stage, ppo.gradient_checkpointing, to_dict(config))
     actor, tokenizer, mixed = trainable.load_trainable(m, dist, zero_stage=ppo.zero_stage, seed=ppo.seed,
                                                        gradient_checkpointing=ppo.gradient_checkpointing,
                                                        without_dropout=True)
@@ -174,6 +224,10 @@ def build_models(config: SPAConfig) -> Models:
     reference = None
     if ppo.kl_coef > 0:
         reference = StepPolicy(copy.deepcopy(actor).eval().requires_grad_(False), config.rollout.temperature)
+    generator = actor
+    if ppo.zero_stage == 3:  # the engine will shard the actor: keep a whole copy where one is needed
+        needed = config.rollout.backend == "hf" or config.eval.state_ppl
+        generator = copy.deepcopy(actor).eval().requires_grad_(False) if needed else None
 
     def engine(module: nn.Module, lr: float):
         optim = eng.OptimSettings(lr, ADAM_BETAS, ppo.weight_decay, ppo.grad_clip, CONSTANT_LR_STEPS, 0.0)
@@ -181,13 +235,36 @@ def build_models(config: SPAConfig) -> Models:
 
     actor_engine = engine(StepPolicy(actor, config.rollout.temperature), ppo.actor_lr)
     critic_engine = engine(critic, ppo.critic_lr) if critic is not None else None
-    return Models(actor, tokenizer, actor_engine, critic_engine, reference, dist)
+    return Models(actor, tokenizer, actor_engine, critic_engine, reference, generator, dist)
 
 
 def _autocast(engine: Any):
     """The engine's autocast (fp32 weights computing in bf16, see `stages.training.engine`), for
     passes made outside it: the reference's scores and the rollouts, in the actor's precision."""
     return eng.autocast(engine.device, engine.autocast_dtype)
+
+
+def push_weights(models: Models, backend: Any, config: SPAConfig) -> None:
+    """Hand the actor's current weights to this rank's rollout engine (every rank calls this).
+
+    The hf backend generating with the live actor needs only its caches dropped (DeepSpeed writes
+    the weights through ``.data``, which its change detection cannot see). Otherwise the weights
+    are taken whole (under ZeRO-3 gathered one at a time) into the unsharded copy and/or vLLM."""
+    actor, generator = models.actor, models.generator
+    if generator is actor and config.rollout.backend == "hf":
+        _reset_caches(backend)
+        return
+    weights = models.actor_engine.full_parameters(actor)
+    if generator is not None and generator is not actor:
+        own = dict(generator.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                own[name].copy_(tensor)
+        weights = generator.named_parameters()
+    if config.rollout.backend == "vllm":
+        backend.load_weights(weights)
+    else:
+        _reset_caches(backend)
 
 
 # ---- the update ----------------------------------------------------------------------------------
@@ -197,10 +274,12 @@ class NonFiniteLoss(UserError):
     """A loss or gradient became NaN or infinite; training stops and keeps the last good checkpoint."""
 
 
-def update(models: Models, samples: list[Sample], config: SPAConfig, step: int) -> dict[str, float]:
-    """``ppo_epochs`` passes of mini-batch updates; returns token-weighted means of the loss terms
-    and the mean gradient norms."""
-    ppo = config.ppo
+def update(models: Models, samples: list[Sample], shares: list[list[list[int]]], config: SPAConfig,
+           step: int) -> dict[str, float]:
+    """``ppo_epochs`` passes of mini-batch updates (``shares``: each mini-batch's part per rank, from
+    `rank_shares`); returns token-weighted means of the loss terms over all ranks and the mean
+    gradient norms."""
+    ppo, dist = config.ppo, models.dist
     pad_id = models.tokenizer.pad_token_id
     engines = {"actor": models.actor_engine, "critic": models.critic_engine}
     engines = {name: engine for name, engine in engines.items() if engine is not None}
@@ -209,26 +288,28 @@ def update(models: Models, samples: list[Sample], config: SPAConfig, step: int) 
     totals: dict[str, float] = {}
     norms: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(ppo.ppo_epochs):
-        for start in range(0, len(samples), ppo.mini_batch):  # in order: SPA's shuffle=False
-            mini = samples[start:start + ppo.mini_batch]
-            tokens = sum(s.steps for s in mini)  # every loss is a token mean over the mini-batch
-            micros = micro_batches(mini, ppo.micro_batch_tokens)
-            for index, micro in enumerate(micros):
-                batch = collate(micro, models.dist.device, pad_id)
+        for mini in shares:  # in order: SPA's shuffle=False
+            parts = [[samples[i] for i in part] for part in mini]
+            tokens = sum(s.steps for part in parts for s in part)  # every loss: a token mean over the WHOLE mini-batch
+            micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank)
+            for index, (micro, weight) in enumerate(micros):
+                batch = collate(micro, dist.device, pad_id)
                 last = index == len(micros) - 1
-                terms = _actor_backward(models, batch, micro, tokens, last, config, step)
+                terms = _actor_backward(models, batch, micro, weight, tokens, last, config, step)
                 if models.critic_engine is not None:
-                    terms |= _critic_backward(models.critic_engine, batch, micro, tokens, last, config, step)
+                    terms |= _critic_backward(models, batch, micro, weight, tokens, last, config, step)
                 for key, value in terms.items():  # micro means, weighted by their tokens
-                    totals[key] = totals.get(key, 0.0) + value * sum(s.steps for s in micro)
+                    totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
             for name, engine in engines.items():
                 norms[name].append(_step(engine, name, step))
+    keys = sorted(totals)
+    summed = dict(zip(keys, distributed.all_reduce_sum([totals[k] for k in keys], dist), strict=True))
     seen = ppo.ppo_epochs * sum(s.steps for s in samples)
-    stats = {key: value / seen for key, value in totals.items()}
+    stats = {key: value / seen for key, value in summed.items()}
     return stats | {f"{name}_grad_norm": sum(values) / len(values) for name, values in norms.items()}
 
 
-def _actor_backward(models: Models, batch: dict, micro: list[Sample], tokens: int, last: bool,
+def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
                     config: SPAConfig, step: int) -> dict[str, float]:
     ppo, device = config.ppo, models.dist.device
     logprobs, entropy = models.actor_engine(**batch, with_entropy=True)
@@ -242,33 +323,36 @@ def _actor_backward(models: Models, batch: dict, micro: list[Sample], tokens: in
         kl = algos.kl_penalty(logprobs, flat(micro, "ref_logprobs", device), "k3")
         loss = loss + ppo.kl_coef * kl.sum() / tokens
         terms["kl_ref"] = kl.mean().item()
-    _check_finite(loss, "policy loss", step, config)
-    models.actor_engine.backward(loss, last)
+    _check_finite(loss, "policy loss", step, config, models.dist)
+    models.actor_engine.backward(loss * weight, last)
     return terms
 
 
-def _critic_backward(engine: Any, batch: dict, micro: list[Sample], tokens: int, last: bool, config: SPAConfig,
-                     step: int) -> dict[str, float]:
-    device = batch["rows"].device
+def _critic_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
+                     config: SPAConfig, step: int) -> dict[str, float]:
+    engine, device = models.critic_engine, models.dist.device
     values = engine(**{key: value for key, value in batch.items() if key != "targets"})
     loss, stats = algos.value_loss(values, flat(micro, "values", device), flat(micro, "returns", device),
                                    torch.ones_like(values), config.ppo.value_clip, normalizer=tokens)
-    _check_finite(loss, "value loss", step, config)
-    engine.backward(loss, last)
+    _check_finite(loss, "value loss", step, config, models.dist)
+    engine.backward(loss * weight, last)
     return {"value_loss": loss.item() * tokens / len(values), "vf_clip_frac": stats["vf_clip_frac"].item()}
 
 
 def _step(engine: Any, name: str, step: int) -> float:
-    norm = engine.step()
+    norm = engine.step()  # DeepSpeed's is the norm of the gradient summed over ranks: the same on every rank
     if not math.isfinite(norm):
         raise NonFiniteLoss(f"the {name} gradient norm became {norm} at step {step}; training stopped and the "
                             f"last good checkpoint is kept; lower ppo.actor_lr / ppo.critic_lr")
     return norm
 
 
-def _check_finite(loss: torch.Tensor, what: str, step: int, config: SPAConfig) -> None:
-    if not torch.isfinite(loss):
-        raise NonFiniteLoss(f"the {what} became {loss.item()} at step {step}; training stopped, the last good "
+def _check_finite(loss: torch.Tensor, what: str, step: int, config: SPAConfig, dist: Dist) -> None:
+    """Stop every rank when any rank's loss is not finite (each decides from the same sum)."""
+    here = not torch.isfinite(loss)
+    if distributed.all_reduce_sum([float(here)], dist)[0] > 0:
+        value = loss.item() if here else "non-finite on another rank"
+        raise NonFiniteLoss(f"the {what} became {value} at step {step}; training stopped, the last good "
                             f"checkpoint in {config.ppo.out} is kept; lower ppo.actor_lr / ppo.critic_lr")
 
 
@@ -294,6 +378,65 @@ def rollout_config(config: SPAConfig, step: int):
     return dataclasses.replace(config.rollout, sample_seed=stable_seed(config.rollout.sample_seed, "ppo", step, bits=31))
 
 
+def play_share(config: SPAConfig, backend: Any, step: int, seed_counter: int, dist: Dist) -> list[Any]:
+    """This rank's episodes of ``step``: its contiguous block of the step's groups, numbered as in
+    the whole step (groups ``rank * G/N ..``)."""
+    seeds = train_seeds(config, seed_counter)
+    block = distributed.split_evenly(len(seeds), dist.world, dist.rank)
+    return play(config.env, rollout_config(config, step), backend, seeds[block.start:block.stop],
+                config.rollout.group_size, prompt_mode=config.ppo.prompt_mode, render_mode=config.ppo.render_mode,
+                model=config.model.name, state_reward=state_reward(config), first_group=block.start)
+
+
+def episode_figures(episode: Any) -> dict[str, Any]:
+    """What the filter and the step's metrics need of an episode (all that is gathered of it)."""
+    return {"group": episode.group, "score": episode.total_reward, "success": bool(episode.success),
+            "format_penalty": episode.format_penalty, "turns": len(episode.turns),
+            "response_length": sum(episode.response_mask), "sequence_length": len(episode.token_ids)}
+
+
+def keep_groups(episodes: list[Any], filter_ratio: float, dist: Dist) -> tuple[list[dict], list[Any]]:
+    """The figures of every rank's episodes, and the kept episodes (whole) on every rank, both in
+    the step's group order: every rank sees every score, so every rank keeps the groups one
+    process would keep."""
+    figures = [f for part in distributed.all_gather([episode_figures(e) for e in episodes], dist) for f in part]
+    kept_index = algos.filter_groups([f["score"] for f in figures], [f["group"] for f in figures], filter_ratio)
+    kept_groups = {figures[i]["group"] for i in kept_index}
+    mine = [e for e in episodes if e.group in kept_groups]
+    return figures, [e for part in distributed.all_gather(mine, dist) for e in part]
+
+
+def score_samples(models: Models, samples: list[Sample], shares: list[list[list[int]]], config: SPAConfig,
+                  timer: _Timer) -> None:
+    """Old log-probs (and reference log-probs, values) of every sample: each rank scores its parts,
+    then every rank gets every score."""
+    ppo, dist = config.ppo, models.dist
+    device, pad_id = dist.device, models.tokenizer.pad_token_id
+    parts = [[samples[i] for mini in shares for i in mini[rank]] for rank in range(dist.world)]
+    micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank)
+    fields = ["old_logprobs"]
+    models.actor_engine.module.eval()
+    with timer("old_logprobs"):
+        score(models.actor_engine, micros, "old_logprobs", device, pad_id)
+        if models.reference is not None:
+            fields.append("ref_logprobs")
+            with _autocast(models.actor_engine):
+                score(models.reference, micros, "ref_logprobs", device, pad_id)
+    with timer("values"):
+        if models.critic_engine is not None:
+            fields.append("values")
+            models.critic_engine.module.eval()
+            score(models.critic_engine, micros, "values", device, pad_id)
+    if dist.world > 1:
+        with timer("exchange"):
+            index = {id(sample): i for i, sample in enumerate(samples)}
+            mine = {index[id(s)]: [getattr(s, f) for f in fields] for s in parts[dist.rank]}
+            for scored in distributed.all_gather(mine, dist):
+                for i, values in scored.items():
+                    for field, value in zip(fields, values, strict=True):
+                        setattr(samples[i], field, value)
+
+
 def _reset_caches(backend: Any) -> None:
     """Start a step's rollouts with no cached KV: caches from before an update are stale, and a
     fresh start makes a step's rollouts the same whether or not the run was resumed before it."""
@@ -303,13 +446,15 @@ def _reset_caches(backend: Any) -> None:
 
 def validate(config: SPAConfig, backend: Any, models: Models, step: int) -> dict[str, float]:
     """Pass@1 and Pass@k on the fixed eval seeds, as `spa eval` measures them, with the live actor
-    (its state perplexity too, when asked for); the report goes to val/step-N.json."""
+    (its state perplexity too, when asked for), split over the ranks; rank 0 writes the report to
+    val/step-N.json."""
     from stages.evaluation.runner import evaluate
 
     out = Path(config.ppo.out) / "val" / f"step-{step}.json"
     val_config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, out=str(out)), quiet=True)
     _reset_caches(backend)
-    found = evaluate(val_config, backend, model=models.actor, tokenizer=models.tokenizer)["metrics"]
+    found = evaluate(val_config, backend, model=models.generator, tokenizer=models.tokenizer,
+                     dist=models.dist)["metrics"]
     k = config.eval.pass_k
     return {"val_pass@1": found["pass@1"], f"val_pass@{k}": found["pass_at_k"].get(str(k)),
             "val_reward": found["mean_reward"]}
@@ -322,18 +467,20 @@ def _forget_validations_after(out: Path, step: int) -> None:
             path.unlink()
 
 
-def rollout_stats(episodes: list[Any], kept: list[Any], samples: list[Sample]) -> dict[str, float]:
-    """What the rollouts did, and how far the trainer's log-probs are from the sampler's."""
-    n = len(episodes)
+def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample]) -> dict[str, float]:
+    """What the rollouts did (`figures` of every episode), and how far the trainer's log-probs are
+    from the sampler's."""
+    n = len(figures)
     stats = {
-        "reward": sum(e.total_reward for e in episodes) / n,
-        "success": sum(bool(e.success) for e in episodes) / n,
-        "format_penalty": sum(e.format_penalty for e in episodes) / n,
-        "turns": sum(len(e.turns) for e in episodes) / n,
-        "response_length": sum(sum(e.response_mask) for e in episodes) / n,
-        "sequence_length": sum(len(e.token_ids) for e in episodes) / n,
+        "reward": sum(f["score"] for f in figures) / n,
+        "success": sum(f["success"] for f in figures) / n,
+        "format_penalty": sum(f["format_penalty"] for f in figures) / n,
+        "turns": sum(f["turns"] for f in figures) / n,
+        "response_length": sum(f["response_length"] for f in figures) / n,
+        "sequence_length": sum(f["sequence_length"] for f in figures) / n,
         "kept_episodes": len(kept),
         "kept_reward": sum(e.total_reward for e in kept) / len(kept),
+        "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
     diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples if s.sampler_logprobs is not None]
     if diffs:
@@ -349,7 +496,8 @@ def rollout_stats(episodes: list[Any], kept: list[Any], samples: list[Sample]) -
 
 
 def save_checkpoint(run_dir: RunDir, name: str, models: Models, progress: dict[str, Any]) -> None:
-    """The actor as a Hugging Face directory ``name`` (step-N/ or final/), then the trainer state."""
+    """The actor as a Hugging Face directory ``name`` (step-N/ or final/), then the trainer state
+    (every rank calls this; rank 0 writes the files, each rank its ZeRO shards)."""
     save_hf_checkpoint(models.actor_engine, models.actor, models.tokenizer, run_dir.out / name, models.dist)
     client = {"rng": torch.get_rng_state()}
 
@@ -374,76 +522,68 @@ def load_checkpoint(run_dir: RunDir, models: Models) -> torch.Tensor:
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Train ``config.model.name`` with PPO on ``config.env.name``; returns a summary of the run."""
-    check_config(config)
-    ppo, console = config.ppo, Console(config.quiet)
+    check_config(config, distributed.launched_world())
+    ppo = config.ppo
     run_dir = RunDir(ppo.out, "ppo")
-    resuming = run_dir.check(settings(config), ppo.resume)
+    resuming = run_dir.check(settings(config), ppo.resume)  # every rank, before any writes
     models = build_models(config)
-    saved = run_dir.prepare(models.dist, resuming, to_dict(config), settings(config))
-    actor, tokenizer, device, pad_id = models.actor, models.tokenizer, models.dist.device, models.tokenizer.pad_token_id
+    dist, tokenizer = models.dist, models.tokenizer
+    console = Console(config.quiet or not dist.main)
+    saved = run_dir.prepare(dist, resuming, to_dict(config), settings(config))
     step, seed_counter, rng = 0, 0, None
     if saved is not None:
         rng = load_checkpoint(run_dir, models)
         step, seed_counter = saved["step"], saved["seed_counter"]
-    _forget_validations_after(run_dir.out, step if saved is not None else -1)
+    if dist.main:
+        _forget_validations_after(run_dir.out, step if saved is not None else -1)
+    distributed.barrier(dist)
     _announce(config, models, step, saved is not None, console)
-    backend = make_backend(config.model, config.rollout, prompt_mode=ppo.prompt_mode, model=actor, tokenizer=tokenizer)
+    backend = make_backend(config.model, config.rollout, prompt_mode=ppo.prompt_mode, model=models.generator,
+                           tokenizer=tokenizer)
     if saved is not None:
-        if config.rollout.backend == "vllm":  # the engine loaded model.name's weights, not the restored ones
-            backend.load_weights(actor.named_parameters())
+        push_weights(models, backend, config)  # the engine loaded model.name's weights, not the restored ones
         torch.set_rng_state(rng)  # after the engine, which reseeds the process's generators
     system_length = None
     last: dict[str, Any] = {}
 
-    with artifacts.JsonlAppender(run_dir.metrics) as log, console.progress("ppo", ppo.steps, step) as bar:
+    with run_dir.metrics_log(dist) as log, console.progress("ppo", ppo.steps, step) as bar:
         if step == 0 and ppo.val_every:
             with _autocast(models.actor_engine):
                 log.append({"step": 0, **validate(config, backend, models, 0)})
         while step < ppo.steps:
             step += 1
             timer = _Timer()
-            # 1. rollouts on fresh train seeds, played by the current weights
-            actor.eval()
-            seeds = train_seeds(config, seed_counter)
-            seed_counter += config.rollout.groups
+            # 1. rollouts on fresh train seeds, played by the current weights (this rank's groups)
+            models.actor.eval()
             with timer("rollout"), _autocast(models.actor_engine):
                 _reset_caches(backend)
-                episodes = play(config.env, rollout_config(config, step), backend, seeds, config.rollout.group_size,
-                                prompt_mode=ppo.prompt_mode, render_mode=ppo.render_mode, model=config.model.name,
-                                state_reward=state_reward(config))
-            # 2. keep the groups whose rewards differ the most
-            scores, groups = [e.total_reward for e in episodes], [e.group for e in episodes]
-            kept = [episodes[i] for i in algos.filter_groups(scores, groups, ppo.filter_ratio)]
+                episodes = play_share(config, backend, step, seed_counter, dist)
+            seed_counter += config.rollout.groups
+            # 2. keep the groups whose rewards differ the most (every rank sees every score)
+            with timer("exchange"):
+                figures, kept = keep_groups(episodes, ppo.filter_ratio, dist)
             if system_length is None:
-                system_length = system_prompt_length(tokenizer, episodes[0].token_ids)
+                system_length = system_prompt_length(tokenizer, kept[0].token_ids)
             samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
-            # 3. log-probs and values before the update
-            models.actor_engine.module.eval()
-            with timer("old_logprobs"):
-                score(models.actor_engine, samples, "old_logprobs", ppo.micro_batch_tokens, device, pad_id)
-                if models.reference is not None:
-                    with _autocast(models.actor_engine):
-                        score(models.reference, samples, "ref_logprobs", ppo.micro_batch_tokens, device, pad_id)
-            with timer("values"):
-                if models.critic_engine is not None:
-                    models.critic_engine.module.eval()
-                    score(models.critic_engine, samples, "values", ppo.micro_batch_tokens, device, pad_id)
-            # 4. advantages; 5. update (a vLLM engine on a GPU sleeps meanwhile, leaving its memory to
-            # training), then hand the new weights to the rollout engine, which wakes it
+            shares = rank_shares(samples, ppo.mini_batch, dist.world)
+            # 3. log-probs and values before the update (each rank its part, then all of them)
+            score_samples(models, samples, shares, config, timer)
+            # 4. advantages of the whole batch; 5. update (a vLLM engine on a GPU sleeps meanwhile,
+            # leaving its memory to training), then hand the new weights to the rollout engine, which
+            # wakes it
             compute_advantages(samples, ppo)
             with timer("update"):
                 if config.rollout.backend == "vllm":
                     backend.sleep()
-                train_stats = update(models, samples, config, step)
-                if config.rollout.backend == "vllm":
-                    backend.load_weights(actor.named_parameters())
+                train_stats = update(models, samples, shares, config, step)
+                push_weights(models, backend, config)
 
-            row = {"step": step, "seed_counter": seed_counter, **rollout_stats(episodes, kept, samples),
+            row = {"step": step, "seed_counter": seed_counter, **rollout_stats(figures, kept, samples),
                    **train_stats, **timer.seconds}
             update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
             if ppo.val_every and (step % ppo.val_every == 0 or step == ppo.steps):
-                actor.eval()
+                models.actor.eval()
                 with timer("validation"), _autocast(models.actor_engine):
                     row |= validate(config, backend, models, step)
                 row["seconds_validation"] = timer.seconds["seconds_validation"]
@@ -461,12 +601,13 @@ def run(config: SPAConfig) -> dict[str, Any]:
 
 
 def _announce(config: SPAConfig, models: Models, step: int, resumed: bool, console: Console) -> None:
-    ppo, rollout = config.ppo, config.rollout
+    ppo, rollout, dist = config.ppo, config.rollout, models.dist
     engine = f"ZeRO-{ppo.zero_stage}" if ppo.zero_stage else "plain torch"
+    ranks = f" x {dist.world} ranks" if dist.world > 1 else ""
     where = f"resuming after step {step}" if resumed else "from the start"
     console.say(f"ppo: {config.model.name} on {config.env.name} ({ppo.prompt_mode} prompt, {ppo.render_mode} "
                 f"states), {ppo.steps} steps of {rollout.groups}x{rollout.group_size} episodes ({ppo.advantage}, "
-                f"loss mask {ppo.loss_mask}), {rollout.backend} rollouts, {engine} on {models.dist.device}; {where}")
+                f"loss mask {ppo.loss_mask}), {rollout.backend} rollouts, {engine} on {dist.device}{ranks}; {where}")
 
 
 def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import artifacts, spa_data
+from stages.common import artifacts, distributed, spa_data
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -135,7 +135,7 @@ def _val_file(cfg, spa_val: Path | None) -> Path | None:
 
 
 def _already_complete(run_dir: RunDir, saved: dict, console: Console) -> dict:
-    if not (run_dir.final / "config.json").is_file():
+    if not (run_dir.final / "config.json").is_file() and distributed.launched_rank() == 0:  # one writer
         last = run_dir.out / f"epoch-{saved['progress']['epoch']}"
         if not (last / "config.json").is_file():
             raise UserError(f"{run_dir.out} is marked complete but has neither final/ nor {last.name}/; "
@@ -188,7 +188,8 @@ class _Trainer:
         from stages.common.models import pick_attention
 
         cfg = self.cfg
-        self.dist = trainable.start_processes(self.config.model, cfg.zero_stage, cfg.gradient_checkpointing)
+        self.dist = trainable.start_processes(self.config.model, cfg.zero_stage, cfg.gradient_checkpointing,
+                                              to_dict(self.config))
         self.console = Console(self.config.quiet or not self.dist.main)
         saved = self.run_dir.prepare(self.dist, resuming, to_dict(self.config), settings(self.config), self.inputs)
         self.model, _, mixed = trainable.load_trainable(
@@ -203,7 +204,7 @@ class _Trainer:
                                             cfg.deepspeed_config)
         progress = self._restore() if saved is not None else Progress()
         self._announce(progress, saved is not None)
-        with artifacts.JsonlAppender(self.run_dir.metrics) if self.dist.main else _NoMetrics() as metrics:
+        with self.run_dir.metrics_log(self.dist) as metrics:
             return self._epochs(progress, metrics)
 
     def _restore(self) -> Progress:
@@ -263,7 +264,7 @@ class _Trainer:
             self.engine.backward(ce * (mb.weight / trained), last=i == len(micro) - 1)
             loss_sum += ce.item() * mb.weight
         grad_norm = self.engine.step()
-        (loss_sum,) = eng.all_reduce_sum([loss_sum], self.dist)
+        (loss_sum,) = distributed.all_reduce_sum([loss_sum], self.dist)
         seconds = time.perf_counter() - started
         progress.step += 1
         progress.global_step += 1
@@ -291,7 +292,7 @@ class _Trainer:
                 ce = token_ce_sum(self.engine, collate([example], self.dist.device))
                 if index < len(self.val):
                     total, count = total + ce.item(), count + example.trained
-        total, count = eng.all_reduce_sum([total, count], self.dist)
+        total, count = distributed.all_reduce_sum([total, count], self.dist)
         self.engine.module.train()
         return total / count
 
@@ -361,15 +362,3 @@ def _figures(row: dict) -> str:
     val = f" val {row['val_loss']:.3f}" if row.get("val_loss") is not None else ""
     return f"loss {row['loss']:.3f}{val} lr {row['lr']:.1e} {row['tokens_per_s']:.0f} tok/s"
 
-
-class _NoMetrics:
-    """What ranks other than 0 log metrics to."""
-
-    def append(self, row: dict) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass

@@ -56,3 +56,39 @@ def _no_states_game():
 
 
 NoStatesGame = _no_states_game()
+
+
+def answering_model(tokenizer, steps: int = 60, seed: int = 0):
+    """A tiny random Llama taught, in a few seconds, to continue "<think>" with a short thought and
+    an answer, ``Left`` or ``Jump`` about equally often (and, this briefly taught, now and then
+    something malformed): FrozenLake episodes played by it earn different scores (a legal move 0,
+    a malformed turn or unknown action the format penalty), so groups differ in reward spread."""
+    import torch
+
+    model = tiny_model(tokenizer, seed=seed)
+    think = tokenizer.encode("<think>", add_special_tokens=False)
+    answers = [tokenizer.encode(f" go </think> <answer> {move} </answer>", add_special_tokens=False)
+               for move in ("Left", "Jump")]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        rows = []
+        for answer in answers * 4:  # random contexts of 20-300 tokens, then "<think>" and the answer
+            length = int(torch.randint(20, 300, (1,), generator=generator))
+            rows.append((torch.randint(0, len(tokenizer), (length,), generator=generator).tolist() + think, answer))
+        width = max(len(context) + len(answer) for context, answer in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        targets = torch.full((len(rows), width), -100)
+        for i, (context, answer) in enumerate(rows):  # left-padded; the loss on the answer only
+            tokens = context + answer
+            ids[i, width - len(tokens):] = torch.tensor(tokens)
+            mask[i, width - len(tokens):] = 1
+            targets[i, width - len(answer):] = torch.tensor(answer)
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+        trained = targets[:, 1:] != -100  # the LM head only where a token is trained
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[trained]), targets[:, 1:][trained])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model

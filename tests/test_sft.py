@@ -536,9 +536,9 @@ def test_two_processes_under_torchrun_match_one_process(data, tiny_dir, tmp_path
     sft.run(make_config(data, tiny_dir, one, global_batch=3))
     two = tmp_path / "two"
     spa = shutil.which("spa", path=str(Path(sys.executable).parent))
-    from stages.training.engine import _free_port
+    from stages.common.distributed import free_port
 
-    port = str(_free_port())
+    port = str(free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, spa,
            "sft", "--data", str(data), "--model", str(tiny_dir), "--out", str(two), "-q",
            *[arg for s in [*sets, "sft.packing=true", "sft.micro_batch_tokens=400"] for arg in ("--set", s)]]

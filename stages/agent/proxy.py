@@ -42,7 +42,9 @@ from stages.agent.env_manager import EnvStateManager
 from stages.agent.episode import Episode, Turn, episode_id
 from stages.agent.parsing import parse_response
 from stages.agent.states import StateReward
+from stages.common import distributed
 from stages.common.config import EnvConfig, RolloutConfig
+from stages.common.distributed import Dist
 from stages.common.seeds import stable_seed
 
 #: Generation stops after the answer; the rest of a response would be ignored anyway.
@@ -152,26 +154,78 @@ def model_label(model: str, backend: str) -> str:
 
 def play(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: Iterable[int], group_size: int, *,
          prompt_mode: str, render_mode: str, model: str = "", state_reward: StateReward | None = None,
-         skip_ids: frozenset[str] | set[str] = frozenset(), on_episode: Callable[[Episode], None] | None = None,
+         skip_ids: frozenset[str] | set[str] = frozenset(), first_group: int = 0,
+         on_episode: Callable[[Episode], None] | None = None,
          progress: Callable[[int], None] | None = None) -> list[Episode]:
     """Play `group_size` episodes of the game `env` on each seed with `backend`, showing it the
     `prompt_mode` prompt and the `render_mode` states; return the finished episodes in seed,
     sample order.
 
-    Episode `group` is the seed's index in `seeds`, `sample` its index in the group; `model` names
+    Episode `group` is ``first_group`` + the seed's index in `seeds` (a rank playing its share of
+    a larger set passes where its share starts), `sample` its index in the group; `model` names
     the player in the records. Ids in `skip_ids` are not played (resume). `on_episode(episode)` is
     called as each episode finishes; `progress(tokens)` after each backend call with the number of
     tokens it generated. `state_reward` (the VAGEN arm's) adds its reward to each turn. Token ids
     are kept when the backend has a tokenizer (the random backend gives text only). Of `rollout`,
     the loop reads the turn limits and sampling settings; which seeds to play is the caller's.
     """
+    episodes = planned_episodes(env, backend, seeds, group_size, prompt_mode, render_mode, model, skip_ids,
+                                first_group)
+    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, state_reward, on_episode, progress)
+    for wave in waves(episodes, rollout.batch_size):
+        proxy.play_wave(wave)
+    return episodes
+
+
+def play_shared(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: list[int], group_size: int,
+                dist: Dist, *, prompt_mode: str, render_mode: str, model: str = "",
+                skip_ids: frozenset[str] | set[str] = frozenset(), on_episode: Callable[[Episode], None] | None = None,
+                progress: Callable[[int], None] | None = None) -> list[Episode]:
+    """`play` split over the ranks of a launched run (`spa generate` and `spa eval`): each rank
+    plays a contiguous block of the groups (`distributed.split_evenly`; a group is never split) in
+    waves on its own backend. After each round of waves (one per rank, a rank whose block is done
+    joins with none) the round's finished episodes are gathered: `on_episode` runs on every rank
+    for every one of them, rank by rank, and every rank returns all episodes in seed, sample order.
+
+    The episodes are those one process plays with the same seeds when `rollout.batch_size` cuts
+    each rank's block into the same waves as the whole list (it divides the episodes of every
+    block but the last); only their order of finishing differs. With one process this is `play`.
+    """
+    modes = {"prompt_mode": prompt_mode, "render_mode": render_mode}
+    if dist.world == 1:
+        return play(env, rollout, backend, seeds, group_size, **modes, model=model, skip_ids=skip_ids,
+                    on_episode=on_episode, progress=progress)
+    block = distributed.split_evenly(len(seeds), dist.world, dist.rank)
+    everything = planned_episodes(env, backend, seeds, group_size, prompt_mode, render_mode, model, skip_ids)
+    mine = waves([e for e in everything if e.group in block], rollout.batch_size)
+    finished: list[Episode] = []
+    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, None, finished.append, progress)
+    played: list[Episode] = []
+    for index in range(distributed.all_reduce_max(len(mine), dist)):
+        if index < len(mine):
+            proxy.play_wave(mine[index])
+        for part in distributed.all_gather(finished, dist):
+            for episode in part:
+                if on_episode is not None:
+                    on_episode(episode)
+                played.append(episode)
+        finished.clear()
+    return sorted(played, key=lambda e: (e.group, e.sample))
+
+
+def planned_episodes(env: EnvConfig, backend: Any, seeds: Iterable[int], group_size: int, prompt_mode: str,
+                     render_mode: str, model: str, skip_ids: frozenset[str] | set[str] = frozenset(),
+                     first_group: int = 0) -> list[Episode]:
+    """The episodes `play` plays, not started yet, in seed, sample order."""
     label = model_label(model, getattr(backend, "name", ""))
-    episodes = [
-        Episode(episode_id(env.name, seed, sample), env.name, seed, group, sample, prompt_mode, render_mode, label)
+    return [
+        Episode(episode_id(env.name, seed, sample), env.name, seed, first_group + group, sample, prompt_mode,
+                render_mode, label)
         for group, seed in enumerate(seeds) for sample in range(group_size)
         if episode_id(env.name, seed, sample) not in skip_ids
     ]
-    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, state_reward, on_episode, progress)
-    for start in range(0, len(episodes), rollout.batch_size):
-        proxy.play_wave(episodes[start:start + rollout.batch_size])
-    return episodes
+
+
+def waves(episodes: list[Episode], batch_size: int) -> list[list[Episode]]:
+    """The episodes in waves of `batch_size`, each played together (see the module docstring)."""
+    return [episodes[start:start + batch_size] for start in range(0, len(episodes), batch_size)]

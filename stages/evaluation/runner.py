@@ -22,16 +22,18 @@ with ``eval.resume`` and the same settings, and is refused otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 from stages.agent.env_manager import check_modes
 from stages.agent.episode import episode_id
-from stages.agent.proxy import model_label, play
-from stages.common import artifacts, runs
+from stages.agent.proxy import model_label, play_shared
+from stages.common import artifacts, distributed, runs
 from stages.common.config import EvalConfig, SPAConfig, to_dict
 from stages.common.console import Console
+from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.evaluation import metrics, reports
 from stages.evaluation.perplexity import state_perplexity
@@ -74,29 +76,50 @@ def check(config: SPAConfig, backend: str) -> tuple[dict[str, Any], bool]:
     return settings, runs.start(out, key, config.eval.resume, "eval", holds_run)
 
 
-def evaluate(config: SPAConfig, backend: Any, *, model: Any = None, tokenizer: Any = None) -> dict:
+def evaluate(config: SPAConfig, backend: Any, *, model: Any = None, tokenizer: Any = None,
+             dist: Dist | None = None) -> dict:
     """Run the eval `config` describes with `backend`; write and return the report. `model` and
     `tokenizer` (an HF causal LM and its tokenizer; default: the backend's, else loaded) measure the
-    state perplexity when ``eval.state_ppl`` is on."""
+    state perplexity when ``eval.state_ppl`` is on.
+
+    Under a launcher (`dist` with several ranks, each with its own backend) the seeds are split
+    over the ranks (`stages.agent.proxy.play_shared`); rank 0 writes the one trajectory file and
+    the one report (the state perplexity, too), and every rank returns the report."""
+    dist = dist or Dist()
     settings, resuming = check(config, backend.name)
     n, seeds = settings["n"], eval_seeds(config.eval)
     env = check_modes(config.env, config.eval.prompt_mode, config.eval.render_mode, "eval")
     out, traj_path = Path(config.eval.out), reports.trajectories_path(config.eval.out)
-    if not resuming:
-        traj_path.unlink(missing_ok=True)
-    runs.record(out, "eval", to_dict(config), {name: v for name, v in settings.items() if name not in RESUME_FREE})
+    distributed.barrier(dist)  # every rank has looked at the earlier files before rank 0 changes them
+    if dist.main:
+        if not resuming:
+            traj_path.unlink(missing_ok=True)
+        runs.record(out, "eval", to_dict(config), {name: v for name, v in settings.items() if name not in RESUME_FREE})
+        artifacts.JsonlAppender(traj_path).close()  # drops a line torn by a kill
+    distributed.barrier(dist)
 
     wanted = {episode_id(config.env.name, seed, sample) for seed in seeds for sample in range(n)}
-    appender = artifacts.JsonlAppender(traj_path)  # drops a line torn by a kill
     played = {row["id"] for row in _rows(traj_path) if row["id"] in wanted}
-    with appender, Console(config.quiet).progress("eval", len(wanted), len(played), transient=True) as bar:
+    appender = artifacts.JsonlAppender(traj_path) if dist.main else contextlib.nullcontext()
+    console = Console(config.quiet or not dist.main)
+    with appender, console.progress("eval", len(wanted), len(played), transient=True) as bar:
         def keep(episode: Any) -> None:
-            appender.append(episode.to_json())
+            if dist.main:
+                appender.append(episode.to_json())
             bar.advance()
 
-        play(config.env, config.rollout, backend, seeds, n, prompt_mode=config.eval.prompt_mode,
-             render_mode=config.eval.render_mode, model=config.model.name, skip_ids=frozenset(played),
-             on_episode=keep)
+        play_shared(config.env, config.rollout, backend, seeds, n, dist, prompt_mode=config.eval.prompt_mode,
+                    render_mode=config.eval.render_mode, model=config.model.name,
+                    skip_ids=frozenset(played), on_episode=keep)
+    report = _report(config, settings, seeds, env, backend, model, tokenizer) if dist.main else None
+    return distributed.broadcast(report, dist)
+
+
+def _report(config: SPAConfig, settings: dict[str, Any], seeds: list[int], env: Any, backend: Any, model: Any,
+            tokenizer: Any) -> dict:
+    """The report of the episodes in the trajectory file, written to ``eval.out``."""
+    out, traj_path = Path(config.eval.out), reports.trajectories_path(config.eval.out)
+    wanted = {episode_id(config.env.name, seed, sample) for seed in seeds for sample in range(settings["n"])}
     latest = {row["id"]: row for row in _rows(traj_path) if row["id"] in wanted}  # the last copy of an id wins
     trajectories = sorted(latest.values(), key=lambda row: (row["seed"], row["sample"]))
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.common import artifacts, runs
+from stages.common.distributed import Dist, barrier
 from stages.common.errors import UserError
-from stages.training.engine import Dist, barrier
 
 STATE_DIR = "trainer_state"
 PROGRESS_FILE = "progress.json"
@@ -79,6 +79,10 @@ class RunDir:
             rows, _ = artifacts.read_jsonl(self.metrics, skip_bad=True)
             artifacts.write_jsonl(self.metrics, [row for row in rows if row.get("step", 0) <= step])
 
+    def metrics_log(self, dist: Dist) -> artifacts.JsonlAppender | _NoMetrics:
+        """Where the run's metrics rows go: appended to metrics.jsonl by rank 0, dropped elsewhere."""
+        return artifacts.JsonlAppender(self.metrics) if dist.main else _NoMetrics()
+
     def read_metrics(self) -> list[dict]:
         return artifacts.read_jsonl(self.metrics, skip_bad=True)[0] if self.metrics.is_file() else []
 
@@ -108,6 +112,19 @@ class RunDir:
     def finish(self, config: dict[str, Any], settings: dict[str, Any], result: dict[str, Any],
                inputs: dict[str, str | Path] | None = None) -> None:
         runs.record(self.out, self.stage, config, settings, inputs, result=result)
+
+
+class _NoMetrics:
+    """What ranks other than 0 log metrics to."""
+
+    def append(self, row: dict) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 # ---- Hugging Face checkpoints --------------------------------------------------------------------

@@ -3,9 +3,9 @@
 * `zero_stage` 1/2/3: `deepspeed.initialize` with a config built from `configs/deepspeed/zero{2,3}.json`
   (stage 1 uses the zero2 file) whose "auto" values are filled from the stage config. It runs on
   CUDA (bf16, NCCL) and on the CPU through DeepSpeed's CPU accelerator (gloo). A single
-  process needs no launcher (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT default to a
-  one-process group on a free port); several GPUs come from `deepspeed --no_local_rank` or
-  `torchrun`, which set those variables. `offload` moves the optimizer (and under ZeRO-3 the
+  process needs no launcher (a one-process group on a free port); several GPUs or nodes come from
+  `torchrun` or `deepspeed --no_local_rank`, whose ranks `stages.common.distributed.start` joins
+  (rendezvous with a timeout, the same config on every rank). `offload` moves the optimizer (and under ZeRO-3 the
   parameters) to the CPU; on a CPU-only run it has nothing to offload from and is ignored.
 * `zero_stage` 0: plain torch, one process, no DeepSpeed: fp32 weights (under bf16 autocast when
   the model dtype is bfloat16), fused AdamW. It is the fallback where DeepSpeed cannot start and
@@ -38,15 +38,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.common import distributed
 from stages.common.artifacts import full_disk_as_oserror
 from stages.common.console import Console
+from stages.common.distributed import Dist
 from stages.common.errors import UserError
 
 DEEPSPEED_DIR = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
@@ -57,52 +58,34 @@ DS_TAG = "state"
 # ---- processes ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: str = "cpu"
+def setup_distributed(device: str, use_deepspeed: bool, low_memory: bool = False,
+                      config: dict[str, Any] | None = None) -> Dist:
+    """This process's place in the run and, under DeepSpeed, the process group.
 
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device: str, use_deepspeed: bool, low_memory: bool = False) -> Dist:
-    """The process group (DeepSpeed only) and this process's device.
-
-    Without a launcher the environment describes a one-process group on a free local port.
+    The group is joined by `stages.common.distributed.start` (rendezvous with a timeout, the same
+    `config` on every rank; without a launcher a one-process group on a free local port), then
+    handed to DeepSpeed. Plain torch (`use_deepspeed` False) runs one process.
     `low_memory` (the runs with gradient checkpointing) also makes a CPU process hand freed
     memory back to the OS at once (`release_freed_memory_to_os`), which costs speed.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "cpu":
         if low_memory:
             release_freed_memory_to_os()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers imports deepspeed too; no CUDA probe warning
     if not use_deepspeed:
-        if world > 1:
-            raise UserError("zero_stage 0 (plain torch) runs one process; use --set sft.zero_stage=2 "
-                            "under a multi-process launcher")
+        if distributed.launched_world() > 1:
+            raise UserError("zero_stage 0 (plain torch) runs one process; use --set sft.zero_stage=2 (or "
+                            "ppo.zero_stage=2) under a multi-process launcher")
         return Dist(device=device)
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if device == "cpu":
         wait_for_op_build()
+    dist = distributed.start(device, config or {}, need_group=True)
     import deepspeed
-    import torch
 
     _quiet_deepspeed()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        device = f"cuda:{local_rank}"
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device.startswith("cuda") else "gloo",
-                                   auto_mpi_discovery=False, verbose=False)
-    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+    deepspeed.init_distributed(dist_backend="nccl" if dist.device.startswith("cuda") else "gloo",
+                               auto_mpi_discovery=False, verbose=False)
+    return dist
 
 
 #: DeepSpeed's CPU communication op, built with torch's JIT extension loader.
@@ -198,36 +181,12 @@ def release_freed_memory_to_os() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _quiet_deepspeed() -> None:
     import logging
 
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
-
-
-def barrier(dist: Dist) -> None:
-    import torch
-
-    if dist.world > 1:
-        torch.distributed.barrier()
-
-
-def all_reduce_sum(values: list[float], dist: Dist) -> list[float]:
-    """Sum a few numbers over all ranks (identity for one process)."""
-    if dist.world == 1:
-        return list(values)
-    import torch
-
-    tensor = torch.tensor(values, dtype=torch.float64, device=dist.device)
-    torch.distributed.all_reduce(tensor)
-    return tensor.tolist()
 
 
 # ---- optimisation ------------------------------------------------------------------------------
@@ -327,6 +286,11 @@ class TorchEngine:
     def consolidated_state_dict(self) -> dict | None:
         return None  # the module holds every weight: save_pretrained reads it directly
 
+    def full_parameters(self, module) -> Iterator[tuple[str, Any]]:
+        """`module`'s (a part of the trained module) named weights, whole."""
+        for name, param in module.named_parameters():
+            yield name, param.detach()
+
 
 class DeepSpeedEngine:
     """A `deepspeed.initialize` engine driven with caller-owned gradient accumulation."""
@@ -384,6 +348,19 @@ class DeepSpeedEngine:
         if self.stage < 3:
             return None
         return self.engine._zero3_consolidated_16bit_state_dict()
+
+    def full_parameters(self, module) -> Iterator[tuple[str, Any]]:
+        """`module`'s (a part of the trained module) named weights, whole on every rank: under
+        ZeRO-3 each is gathered from its shards in turn (every rank must take them all, in order)
+        and is valid until the next one is taken; below ZeRO-3 every rank holds them already."""
+        import deepspeed
+
+        for name, param in module.named_parameters():
+            if self.stage < 3:
+                yield name, param.detach()
+                continue
+            with deepspeed.zero.GatheredParameters([param]):
+                yield name, param.detach()
 
 
 def load_weights_only(path: Path, map_location: Any = None, allowed: list | None = None) -> Any:

@@ -5,6 +5,11 @@ ids, the positions that are PPO steps (the loss mask), its rewards on those step
 fill in old log-probs, values, advantages and returns. Samples are grouped into micro-batches of
 bounded padded size (`micro_batches`) and collated into right-padded tensors (`collate`); every
 loss is a sum over steps divided by the mini-batch's step count, so the grouping never changes it.
+
+Over several ranks (`rank_shares`, `rank_micro_batches`) each mini-batch is split into equal
+parts, one per rank, balanced by tokens; every rank makes the same number of passes (fillers of
+weight 0 where its part needs fewer), since ZeRO's collectives run in every backward (and, under
+ZeRO-3, in every forward).
 """
 
 from __future__ import annotations
@@ -147,16 +152,47 @@ def flat(samples: list[Sample], field: str, device: Any) -> torch.Tensor:
 # ---- the phases of a step ------------------------------------------------------------------------
 
 
+def rank_shares(samples: list[Sample], mini_batch: int, world: int) -> list[list[list[int]]]:
+    """``shares[m][r]``: the indices of the samples of mini-batch m (``mini_batch`` consecutive
+    samples, in order) that rank r trains, ``mini_batch / world`` each. The longest sample goes
+    first, to the rank with the fewest tokens so far (ties: the lower rank), so every rank computes
+    the same plan; within a part the indices are in order."""
+    per_rank = mini_batch // world
+    shares = []
+    for start in range(0, len(samples), mini_batch):
+        parts: list[list[int]] = [[] for _ in range(world)]
+        load = [0] * world
+        for index in sorted(range(start, min(start + mini_batch, len(samples))),
+                            key=lambda i: (-len(samples[i].ids), i)):
+            rank = min((r for r in range(world) if len(parts[r]) < per_rank), key=lambda r: (load[r], r))
+            parts[rank].append(index)
+            load[rank] += len(samples[index].ids)
+        shares.append([sorted(part) for part in parts])
+    return shares
+
+
+def rank_micro_batches(parts: list[list[Sample]], token_budget: int, rank: int) -> list[tuple[list[Sample], float]]:
+    """Rank `rank`'s micro-batches of ``parts[rank]`` as (samples, weight 1.0), then fillers (its
+    first micro-batch again, weight 0.0) up to the most micro-batches any rank has: every rank
+    makes the same number of passes."""
+    plans = [micro_batches(part, token_budget) for part in parts]
+    mine = plans[rank]
+    return [(micro, 1.0) for micro in mine] + [(mine[0], 0.0)] * (max(len(p) for p in plans) - len(mine))
+
+
 @torch.no_grad()
-def score(forward: Any, samples: list[Sample], field: str, token_budget: int, device: Any, pad_id: int) -> None:
-    """Fill ``field`` of every sample with ``forward``'s output at its steps: log-probs from a
-    policy, values from the critic (which takes no ``targets``)."""
-    for micro in micro_batches(samples, token_budget):
+def score(forward: Any, micros: list[tuple[list[Sample], float]], field: str, device: Any, pad_id: int) -> None:
+    """Fill ``field`` of every sample of `micros` (from `rank_micro_batches`) with ``forward``'s
+    output at its steps: log-probs from a policy, values from the critic (which takes no
+    ``targets``). Fillers (weight 0) run and are discarded."""
+    for micro, weight in micros:
         batch = collate(micro, device, pad_id)
         if field == "values":
             batch.pop("targets")
         out = forward(**batch)
         out = out[0] if isinstance(out, tuple) else out
+        if weight == 0:
+            continue
         for sample, part in zip(micro, out.float().cpu().split([s.steps for s in micro]), strict=True):
             setattr(sample, field, part)
 

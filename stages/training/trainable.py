@@ -1,6 +1,6 @@
 """One setup of a trainable model and its engine, for `spa sft` and `spa ppo` alike.
 
-    dist = start_processes(config.model, zero_stage, low_memory)      # device, process group
+    dist = start_processes(config.model, zero_stage, low_memory, to_dict(config))  # device, process group
     model, tokenizer, mixed = load_trainable(config.model, dist, ...)  # dtype, seed, checkpointing, LoRA
     engine = make_engine(model, dist, mixed, zero_stage, optim)         # DeepSpeed ZeRO or plain torch
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.common.models import load_model, pick_device, pick_dtype
 from stages.training import engine as eng
@@ -22,9 +23,12 @@ if TYPE_CHECKING:
     from stages.common.config import ModelConfig
 
 
-def start_processes(model: ModelConfig, zero_stage: int, low_memory: bool = False) -> eng.Dist:
-    """This process's device and, under DeepSpeed, the process group (see `engine.setup_distributed`)."""
-    return eng.setup_distributed(pick_device(model.device), use_deepspeed=zero_stage > 0, low_memory=low_memory)
+def start_processes(model: ModelConfig, zero_stage: int, low_memory: bool = False,
+                    config: dict[str, Any] | None = None) -> Dist:
+    """This process's device and, under DeepSpeed, the process group, which every rank joins with
+    the same `config` (the stage's whole config; see `engine.setup_distributed`)."""
+    return eng.setup_distributed(pick_device(model.device), use_deepspeed=zero_stage > 0, low_memory=low_memory,
+                                 config=config)
 
 
 def mixed_precision(model: ModelConfig, device: str) -> str | None:
@@ -34,7 +38,7 @@ def mixed_precision(model: ModelConfig, device: str) -> str | None:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(pick_dtype(model.dtype, device))
 
 
-def load_trainable(model: ModelConfig, dist: eng.Dist, *, zero_stage: int, seed: int,
+def load_trainable(model: ModelConfig, dist: Dist, *, zero_stage: int, seed: int,
                    gradient_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: int = 64,
                    without_dropout: bool = False) -> tuple[Any, Any, str | None]:
     """The model to train, its tokenizer and its mixed precision ("bf16", "fp16" or None).
@@ -63,7 +67,7 @@ def load_trainable(model: ModelConfig, dist: eng.Dist, *, zero_stage: int, seed:
     return lm, tokenizer, mixed
 
 
-def make_engine(module, dist: eng.Dist, mixed: str | None, zero_stage: int, optim: eng.OptimSettings,
+def make_engine(module, dist: Dist, mixed: str | None, zero_stage: int, optim: eng.OptimSettings,
                 offload: bool = False, deepspeed_config: str = ""):
     """The training engine of `module`: DeepSpeed ZeRO `zero_stage` (1-3), or plain torch (0).
     `offload` moves the optimizer to the CPU, which a CPU run already is in (it is ignored there)."""

@@ -70,6 +70,13 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, prompt_mo
                        sleep_mode=model is not None)
 
 
+def backend_device(model_config: ModelConfig, rollout: RolloutConfig) -> str:
+    """Where the backend `rollout.backend` runs (the random backend needs no model: the CPU)."""
+    from stages.common.models import pick_device
+
+    return "cpu" if rollout.backend == "random" else pick_device(model_config.device)
+
+
 def check_backend(model_config: ModelConfig, rollout: RolloutConfig) -> None:
     """Refuse, before anything is loaded or written, what would stop `make_backend` later: for
     vllm, vLLM missing, no device it runs on, an architecture it lacks, or memory the machine does

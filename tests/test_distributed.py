@@ -1,0 +1,330 @@
+"""One run over several processes (`stages.common.distributed`), on the CPU with gloo: `spa ppo`,
+`spa eval` and `spa generate` under torchrun with two ranks give what one process gives, a rank
+killed mid-run is resumed without a lost or repeated step, and a launch that cannot work ends
+with one line on every rank before anything is written.
+
+The model is a tiny random Llama taught to answer FrozenLake with a legal move or a malformed
+one (`helpers.answering_model`), so the episodes of a step score differently and the std filter
+has real choices to make. Rollouts use ``rollout.batch_size=2`` (one group a wave), which cuts
+each rank's groups into the same waves as one process's: the samples are then the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages.common import distributed
+from stages.common.config import load_config
+from stages.common.errors import UserError
+from stages.training import ppo_samples
+
+#: Every launched rank gets one thread, as torchrun gives each; the one-process reference too.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+#: PPO on FrozenLake, one turn, 8 groups x 2 a step, half the groups kept, 2 mini-batches of 4.
+PPO_SETTINGS = [
+    "env.name=frozen_lake", "rollout.prompt_mode=base", "rollout.max_turns=1", "rollout.max_new_tokens=16",
+    "rollout.groups=8", "rollout.group_size=2", "rollout.batch_size=2", "ppo.filter_ratio=0.5",
+    "ppo.mini_batch=4", "ppo.micro_batch_tokens=800", "ppo.actor_lr=1e-3", "ppo.critic_lr=1e-3",
+    "ppo.save_every=1", "ppo.val_every=1", "eval.seeds=2", "eval.pass_k=2", "ppo.zero_stage=2",
+]
+#: Same-run figures that depend on the episodes only: equal when the same episodes were played.
+EPISODE_FIGURES = ("reward", "success", "format_penalty", "turns", "response_length", "sequence_length",
+                   "kept_episodes", "kept_reward", "kept_seeds", "seed_counter", "val_pass@1", "val_pass@2")
+#: Figures of the update: equal up to the float rounding of another summation order.
+UPDATE_FIGURES = ("pg_loss", "value_loss", "entropy", "clip_frac", "ppo_kl", "vf_clip_frac", "actor_grad_norm",
+                  "critic_grad_norm", "logp_diff", "value_mean")
+
+
+def sets(settings: list[str]) -> list[str]:
+    return [arg for setting in settings for arg in ("--set", setting)]
+
+
+def spa(args: list[str], cwd: Path, ranks: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`spa args` in one process, or under torchrun with `ranks` processes."""
+    return subprocess.run(command(args, ranks), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **ONE_THREAD}, check=False)
+
+
+def command(args: list[str], ranks: int) -> list[str]:
+    if ranks == 1:
+        return [sys.executable, "-m", "spa_cli", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(distributed.free_port()), "-m", "spa_cli", *args]
+
+
+def completed(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def metric_rows(out: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def answering_dir(tokenizer, tmp_path_factory) -> Path:
+    from helpers import answering_model
+
+    path = tmp_path_factory.mktemp("answering-model")
+    answering_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def ppo_args(model: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    """--resume from the first run on, so that a rerun after a kill is the very same command."""
+    return ["ppo", "--model", str(model), "--out", str(out), "--steps", str(steps), "--resume", "-q",
+            *sets([*PPO_SETTINGS, *extra])]
+
+
+# ---- plans that every rank computes alike ------------------------------------------------------------
+
+
+def test_split_evenly_gives_contiguous_blocks_the_first_ranks_one_more():
+    assert [list(distributed.split_evenly(7, 3, r)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [list(distributed.split_evenly(4, 2, r)) for r in range(2)] == [[0, 1], [2, 3]]
+    assert list(distributed.split_evenly(1, 2, 1)) == []
+
+
+def fake_samples(lengths: list[int]) -> list[ppo_samples.Sample]:
+    return [ppo_samples.Sample(torch.zeros(n, dtype=torch.long), torch.arange(n // 2), *([None] * 5), score=0.0,
+                               group=0) for n in lengths]
+
+
+def test_rank_shares_split_each_mini_batch_evenly_and_balance_tokens():
+    samples = fake_samples([10, 50, 20, 40, 30, 30, 5, 5])
+    shares = ppo_samples.rank_shares(samples, mini_batch=4, world=2)
+    assert shares == [[[0, 1], [2, 3]], [[4, 6], [5, 7]]]  # 60 and 60 tokens; 35 and 35
+    assert ppo_samples.rank_shares(samples, mini_batch=4, world=1) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+
+
+def test_rank_micro_batches_pad_with_zero_weight_fillers_to_the_busiest_rank():
+    samples = fake_samples([100, 100, 100, 10])
+    parts = [samples[:3], samples[3:]]  # rank 0: three passes of 100 tokens (budget 150); rank 1: one
+    plans = [ppo_samples.rank_micro_batches(parts, 150, rank) for rank in range(2)]
+    assert [len(plan) for plan in plans] == [3, 3]
+    assert [weight for _, weight in plans[0]] == [1.0, 1.0, 1.0]
+    assert [weight for _, weight in plans[1]] == [1.0, 0.0, 0.0]
+    assert all(micro == parts[1] for micro, _ in plans[1])  # fillers repeat the rank's own pass
+
+
+# ---- bad launches: one line on every rank, nothing written ----------------------------------------
+
+
+def launch(args_per_rank: list[list[str]], cwd: Path, world: int, env: dict[str, str] | None = None,
+           first_rank: int = 0) -> list[subprocess.Popen]:
+    """Start ranks `first_rank`, `first_rank` + 1, ... of a `world`-rank run (one per entry of
+    `args_per_rank`) as a launcher would, without one."""
+    port = str(distributed.free_port())
+    processes = []
+    for rank, args in enumerate(args_per_rank, start=first_rank):
+        rank_env = {**os.environ, **ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(env or {})}
+        processes.append(subprocess.Popen([sys.executable, "-m", "spa_cli", *args], cwd=cwd, env=rank_env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return processes
+
+
+def finished(processes: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=300)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+def assert_one_line(result: subprocess.CompletedProcess, says: str) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and says in lines[0], lines[0]
+
+
+def test_bad_launches_end_every_rank_with_one_line_and_write_nothing(tiny_model_dir, tmp_path):
+    out = {name: tmp_path / name for name in ("groups", "mini", "config", "alone", "late")}
+    cases = {
+        # 8 groups over 3 ranks, a mini-batch of 2 over 3 ranks: refused before any process meets
+        "groups": ([ppo_args(tiny_model_dir, out["groups"], 1)] * 3, 3, {}),
+        "mini": ([ppo_args(tiny_model_dir, out["mini"], 1, "rollout.groups=6", "ppo.mini_batch=2")] * 3, 3, {}),
+        # rank 1 with another learning rate
+        "config": ([ppo_args(tiny_model_dir, out["config"], 1),
+                    ppo_args(tiny_model_dir, out["config"], 1, "ppo.actor_lr=2e-3")], 2, {}),
+        # rank 0 of two alone, then rank 1 of two alone: nobody to meet within the start timeout
+        "alone": ([ppo_args(tiny_model_dir, out["alone"], 1)], 2, {distributed.START_TIMEOUT_ENV: "3"}),
+    }
+    started = {name: launch(args, tmp_path, world, env) for name, (args, world, env) in cases.items()}
+    started["late"] = launch([ppo_args(tiny_model_dir, out["late"], 1)], tmp_path, 2,
+                             {distributed.START_TIMEOUT_ENV: "3"}, first_rank=1)
+    results = {name: finished(processes) for name, processes in started.items()}
+    for result in results["groups"]:
+        assert_one_line(result, "rollout.groups=8 does not split over the 3 ranks the launcher started")
+    for result in results["mini"]:
+        assert_one_line(result, "ppo.mini_batch=2 does not split over the 3 ranks the launcher started")
+    for result in results["config"]:
+        assert_one_line(result, "rank 1 was started with another config than rank 0 (ppo.actor_lr: 0.001 -> 0.002)")
+    assert_one_line(results["alone"][0], "rank 0 of 2 did not meet the other ranks at 127.0.0.1:")
+    assert_one_line(results["late"][0], "rank 1 of 2 did not meet the other ranks at 127.0.0.1:")
+    assert not any(path.exists() for path in out.values())
+
+
+def test_one_process_stages_refuse_a_launcher(tmp_path, monkeypatch):
+    from stages import clean, pipeline
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = load_config(None, [f"clean.data={tmp_path / 't.jsonl'}", f"pipeline.dir={tmp_path / 'run'}"])
+    for stage in (clean, pipeline):
+        with pytest.raises(UserError, match=r"runs in one process, but a launcher started 2 \(WORLD_SIZE=2\)"):
+            stage.run(config)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- PPO: one process against two ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank(answering_dir, tmp_path_factory) -> Path:
+    """One PPO step in one process (DeepSpeed ZeRO-2), validated before and after."""
+    cwd = tmp_path_factory.mktemp("ppo-one")
+    completed(spa(ppo_args(answering_dir, cwd / "run", 1), cwd))
+    return cwd / "run"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(answering_dir, tmp_path_factory) -> Path:
+    """Two PPO steps over two ranks under torchrun (ZeRO-2), validated before and after each."""
+    cwd = tmp_path_factory.mktemp("ppo-two")
+    completed(spa(ppo_args(answering_dir, cwd / "run", 2), cwd, ranks=2))
+    return cwd / "run"
+
+
+def test_two_ranks_keep_the_same_groups_and_make_the_same_update_as_one(one_rank, two_ranks):
+    one, two = metric_rows(one_rank)[1], metric_rows(two_ranks)[1]
+    assert one["kept_reward"] != one["reward"], "the episodes of the step all scored alike: the filter had no choice"
+    for field in EPISODE_FIGURES:
+        assert two[field] == one[field], field
+    for field in UPDATE_FIGURES:
+        assert two[field] == pytest.approx(one[field], rel=1e-5, abs=1e-7), field
+    before = weights(Path(json.loads((one_rank / "manifest.json").read_text())["config"]["model"]["name"]))
+    after_one, after_two = weights(one_rank / "final"), weights(two_ranks / "step-1")
+    assert max(float((after_one[k] - before[k]).abs().max()) for k in before) > 1e-4  # the step moved the weights
+    for key in after_one:
+        torch.testing.assert_close(after_two[key], after_one[key], rtol=0, atol=1e-6)
+    for step in (0, 1):  # validation split over the ranks: the same report
+        reports = [json.loads((run / "val" / f"step-{step}.json").read_text()) for run in (one_rank, two_ranks)]
+        assert reports[0]["metrics"] == reports[1]["metrics"]
+
+
+def test_a_killed_rank_ends_the_run_and_the_same_command_continues_it(answering_dir, two_ranks, tmp_path):
+    """SIGKILL of rank 1 after step 1 is saved: torchrun stops rank 0 (the resume hint), and the
+    same command trains step 2 only, ending with the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    args = ppo_args(answering_dir, out, 2)
+    process = subprocess.Popen(command(args, 2), cwd=tmp_path, env={**os.environ, **ONE_THREAD},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while saved_step(out) < 1:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "step 1 was never saved"
+        time.sleep(0.02)
+    os.kill(rank_pid(process.pid, 1), signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode != 0
+    assert "interrupted; run the same command again to resume" in stderr or \
+           "another rank of this run stopped, so this one stops too; run the same command again" in stderr, stderr
+    assert not (out / "final").exists(), "the run was not cut in the middle"
+    first = metric_rows(out)
+    completed(spa(args, tmp_path, ranks=2))
+    rows, reference = metric_rows(out), metric_rows(two_ranks)
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[1] == first[1]  # not trained again: the first run's row, timing included
+    for field in (*EPISODE_FIGURES, *UPDATE_FIGURES):
+        assert rows[2][field] == reference[2][field], field
+    final, expected = weights(out / "final"), weights(two_ranks / "final")
+    assert all(torch.equal(final[key], expected[key]) for key in expected)
+
+
+def saved_step(out: Path) -> int:
+    try:
+        return json.loads((out / "trainer_state" / "progress.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the launcher's child that runs `rank`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no process of rank {rank} under pid {launcher}")
+
+
+def test_zero3_over_two_ranks_trains_and_samples_like_zero2(answering_dir, two_ranks, tmp_path):
+    """ZeRO-3 shards the actor; the rollouts run on an unsharded copy refreshed from the gathered
+    weights after every update: step 2 samples and scores as the ZeRO-2 run does."""
+    completed(spa(ppo_args(answering_dir, tmp_path / "run", 2, "ppo.zero_stage=3"), tmp_path, ranks=2))
+    rows, reference = metric_rows(tmp_path / "run"), metric_rows(two_ranks)
+    for step in (1, 2):
+        for field in EPISODE_FIGURES:
+            assert rows[step][field] == reference[step][field], (step, field)
+        for field in UPDATE_FIGURES:
+            assert rows[step][field] == pytest.approx(reference[step][field], rel=1e-4, abs=1e-6), (step, field)
+    final, expected = weights(tmp_path / "run" / "final"), weights(two_ranks / "final")
+    for key in expected:  # 1% of an Adam step (lr 1e-3): where a gradient is ~0, rounding moves its sign
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-5)
+
+
+# ---- eval and generate: seeds split over the ranks -------------------------------------------------
+
+
+def same_lines(a: Path, b: Path) -> bool:
+    return sorted(a.read_text().splitlines()) == sorted(b.read_text().splitlines())
+
+
+def test_eval_over_two_ranks_writes_the_one_process_report(answering_dir, tmp_path):
+    """3 seeds over 2 ranks (2 + 1): one report, one trajectory file, as one process writes them."""
+    args = ["eval", "--model", str(answering_dir), "--env", "frozen_lake", "--seeds", "3", "--pass-k", "2",
+            *sets(["rollout.prompt_mode=base", "rollout.max_turns=1", "rollout.max_new_tokens=16",
+                   "rollout.batch_size=2"])]
+    one, two = tmp_path / "one", tmp_path / "two"
+    completed(spa([*args, "--out", str(one / "report.json")], tmp_path))
+    result = spa([*args, "--out", str(two / "report.json")], tmp_path, ranks=2)
+    completed(result)
+    reports = [json.loads((d / "report.json").read_text()) for d in (one, two)]
+    assert reports[0]["settings"] == reports[1]["settings"] and reports[0]["metrics"] == reports[1]["metrics"]
+    assert reports[0]["per_seed"] == reports[1]["per_seed"]
+    assert same_lines(one / "report.trajectories.jsonl", two / "report.trajectories.jsonl")
+    assert sorted(p.name for p in two.iterdir()) == ["report.json", "report.json.manifest.json",
+                                                      "report.trajectories.jsonl"]
+    assert result.stdout.count("Pass@1") == 1  # rank 0 prints the table
+
+
+def test_generate_over_two_ranks_writes_the_one_process_episodes(answering_dir, tmp_path):
+    args = ["generate", "--model", str(answering_dir), "--env", "frozen_lake", "--groups", "3", "--group-size",
+            "2", "-q", *sets(["rollout.prompt_mode=base", "rollout.max_turns=2", "rollout.max_new_tokens=16",
+                              "rollout.batch_size=2"])]
+    completed(spa([*args, "--out", str(tmp_path / "one.jsonl")], tmp_path))
+    completed(spa([*args, "--out", str(tmp_path / "two.jsonl")], tmp_path, ranks=2))
+    assert same_lines(tmp_path / "one.jsonl", tmp_path / "two.jsonl")
+    assert len((tmp_path / "two.jsonl").read_text().splitlines()) == 6
+    summaries = [json.loads((tmp_path / f"{n}.jsonl.manifest.json").read_text())["summary"] for n in ("one", "two")]
+    for key in ("episodes", "new_episodes", "success_rate", "format_ok_rate", "mean_turns", "mean_reward", "tokens"):
+        assert summaries[0][key] == summaries[1][key], key
