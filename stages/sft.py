@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import artifacts
+from stages.common import artifacts, tracking
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -66,6 +66,7 @@ RESUME_FREE = {"out", "resume", "val_data", "save_every_steps", "stop_after_step
 def run(config: SPAConfig, dry_run: bool = False) -> dict:
     """Train (or, with `dry_run`, only write the first rows' tokens and masks). Returns a summary."""
     cfg, console = config.sft, Console(config.quiet)
+    tracking.check(config.tracking)
     if cfg.lora_rank > 0 and cfg.zero_stage == 3:
         raise UserError("LoRA with ZeRO-3 is not supported; use --set sft.zero_stage=2 (LoRA weights are small)")
     if not Path(cfg.data).is_file():
@@ -193,8 +194,10 @@ class _Trainer:
                                             cfg.deepspeed_config)
         progress = self._restore() if saved is not None else Progress()
         self._announce(progress, saved is not None)
-        with artifacts.JsonlAppender(self.run_dir.metrics) if self.dist.main else _NoMetrics() as metrics:
-            return self._epochs(progress, metrics)
+        resumed_after = progress.global_step if saved is not None else None
+        tracker = tracking.start(self.config, self.run_dir.out, "sft", resumed_after, self.console, self.dist.main)
+        with artifacts.JsonlAppender(self.run_dir.metrics) if self.dist.main else _NoMetrics() as metrics, tracker:
+            return self._epochs(progress, metrics, tracker)
 
     def _restore(self) -> Progress:
         import torch
@@ -214,7 +217,7 @@ class _Trainer:
                          f"steps of {cfg.global_batch} rows on {self.dist.world}x {self.dist.device} "
                          f"({engine}{offload}); {where}")
 
-    def _epochs(self, progress: Progress, metrics) -> dict:
+    def _epochs(self, progress: Progress, metrics, tracker: tracking.Tracker) -> dict:
         plan: dict[int, list[list[int]]] = {}
         with self.console.progress("sft", self.total_steps, progress.global_step) as bar:
             while not progress.done:
@@ -228,6 +231,7 @@ class _Trainer:
                     row["val_loss"] = self._evaluate()
                 progress.last = row
                 metrics.append(row)
+                tracker.log(row)
                 bar.update(row["step"], _figures(row))
                 saved = epoch_end or self._save_due(progress)
                 if epoch_end:
