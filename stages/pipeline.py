@@ -13,6 +13,8 @@ Stages, in order, each writing under `pipeline.dir`:
     eval_*       eval/NAME.json       the same eval settings for every model: base (with
                                       `pipeline.baselines`), vanilla_ppo, sft, spa
                  table.md             the comparison, like the paper's Table 2
+                 curves.png           the training curves of sft/ and ppo*/ (`spa plot`)
+                 pass_at_k.png        the Pass@k curves of the evaluated models, with 95% bands
 
 A stage is skipped when it completed before with the same fingerprint: the config sections it
 reads plus the hashes of its inputs (`pipeline_state.json` records them). A stage that started
@@ -33,7 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from stages.common import artifacts
+from stages.common import artifacts, tracking
 from stages.common.config import SPAConfig
 from stages.common.console import Console
 
@@ -52,6 +54,8 @@ class Layout:
         self.ppo_vanilla = self.root / "ppo_vanilla"
         self.eval = self.root / "eval"
         self.table = self.root / "table.md"
+        self.curves = self.root / "curves.png"
+        self.pass_at_k = self.root / "pass_at_k.png"
 
     def report(self, name: str) -> Path:
         return self.eval / f"{name}.json"
@@ -159,7 +163,9 @@ def stage_outputs(name: str, config: SPAConfig) -> list[Path]:
 def run(config: SPAConfig) -> dict[str, Any]:
     """Run (or continue) every stage; return the comparison rows and what was skipped."""
     console = Console(config.quiet)
+    tracking.check(config.tracking)  # before the first stage, not when sft starts
     run_dir = Layout(config.pipeline.dir)
+    artifacts.check_writable(run_dir.root)
     run_dir.root.mkdir(parents=True, exist_ok=True)
     state_path = run_dir.root / STATE_FILE
     state = artifacts.read_json(state_path) if state_path.is_file() else {}
@@ -183,6 +189,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
         artifacts.write_json(state_path, state)
     table = _write_table(config, run_dir)
     console.result(table)
+    _write_plots(config, run_dir)
     return {"dir": str(run_dir.root), "skipped": skipped, "table": table}
 
 
@@ -229,7 +236,7 @@ def _remove(paths: list[Path]) -> None:
 
 
 def _write_table(config: SPAConfig, run_dir: Layout) -> str:
-    """A Markdown table of the eval reports, like the paper's Table 2: percentages (x10^-2) and,
+    """A Markdown table of the eval reports, like the paper's Table 2: percentages and,
     when measured (`eval.state_ppl`), the state perplexity with coordinates."""
     from stages.evaluation.reports import compare_rows
 
@@ -249,6 +256,18 @@ def _write_table(config: SPAConfig, run_dir: Layout) -> str:
     with artifacts.atomic_write(run_dir.table) as handle:
         handle.write(table)
     return table
+
+
+def _write_plots(config: SPAConfig, run_dir: Layout) -> None:
+    """curves.png from the training runs' metrics, pass_at_k.png from the eval reports."""
+    from stages.evaluation import plots
+    from stages.evaluation.reports import load_report
+
+    plots.plot_curves(plots.runs_in(run_dir.root), run_dir.curves)
+    names = [name for name in evaluated_models(config) if run_dir.report(name).is_file()]
+    if names:
+        plots.plot_pass_at_k([load_report(run_dir.report(name)) for name in names], run_dir.pass_at_k,
+                             [LABELS.get(name, name) for name in names])
 
 
 def _percent(value: float | None) -> str:

@@ -15,3 +15,13 @@ def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, head
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG file's header, which must be one."""
+    import struct
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
