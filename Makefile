@@ -38,7 +38,11 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -q -n 2
 
+# The slow tests include `spa view`'s page in headless Chromium: playwright drives the system's
+# browser (apt install chromium; the test is skipped without it), never a browser of its own.
 test-slow: install
+	@$(BIN)/pip install --quiet -e '.[browser]' || \
+		{ echo "error: could not install playwright (spa's 'browser' extra); check the network"; exit 2; }
 	$(BIN)/python -m pytest -q -m slow
 
 # The whole recipe on the bundled model (configs/demo.yaml): RandSFT data, clean, SFT, PPO, and the
@@ -47,8 +51,9 @@ demo: install
 	$(BIN)/spa pipeline --config configs/demo.yaml
 
 # A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): base vs vanilla PPO vs
-# SPA on Sokoban and FrozenLake, 128 eval puzzles x 8 samples. About 3 hours on 2 cores: run it in
-# the background (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
+# SPA on Sokoban and FrozenLake, 128 eval puzzles x 8 samples. 2 h 20 min on 2 cores (68 + 70 min
+# measured, README): run it in the background (`nohup make repro-cpu > repro.log 2>&1 &`); it
+# resumes where it stopped.
 repro-cpu: install
 	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml

@@ -2,8 +2,9 @@
 
 Every stage command reads the YAML config given by `--config`, applies the repeatable
 `--set section.key=value` overrides and then its own flags (which are shorthands for config keys),
-and calls the stage's `run(config)`. Errors a user can cause are printed as one line and exit with
-code 2. Stages are imported lazily so `spa --help` and `spa envs` stay fast.
+and calls the stage's `run(config)`. A flag's `--help` names the config key it sets and that key's
+built-in default (`_flag`). Errors a user can cause are printed as one line and exit with code 2.
+Stages are imported lazily so `spa --help`, `spa envs` and shell completion stay fast.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,7 +63,6 @@ app = typer.Typer(
     cls=_OneLineUsageErrors,
     help="SPA: world-model self-play finetuning for agentic RL (arXiv 2510.15047).",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 config_app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
@@ -71,14 +73,68 @@ app.add_typer(eval_app, name="eval")
 console = Console()
 err_console = Console(stderr=True)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: section.key=value (repeatable).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no status lines.")]
-ResumeOpt = Annotated[bool | None, typer.Option(help="Continue the run already at --out (same settings only).")]
-EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help="Game name (see `spa envs`).")]
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="smollm2-135m, a model directory, or a hub id.")]
-BackendOpt = Annotated[str | None, typer.Option("--backend", "-b", help="hf | vllm | random.")]
-OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Output path.")]
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            version = metadata.version("spa")
+        except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            version = "unknown (not installed)"
+        typer.echo(f"spa {version}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool | None, typer.Option("--version", callback=_version, is_eager=True,
+                                                 help="Print spa's version and exit.")] = None,
+) -> None:
+    pass
+
+
+def _shown(value: Any) -> str:
+    """A config value as a YAML file writes it (null, true, [0.9, 0.95])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _flag(key: str, help: str, *names: str) -> Any:
+    """An option that sets config key `key` (None when not given: the config decides); its --help
+    shows the key and the built-in default it resolves to when neither --config nor --set sets it."""
+    from stages.common.config import default_of
+
+    return typer.Option(*names, help=help, show_default=f"{key}: {_shown(default_of(key))}")
+
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.",
+                                                show_default="none: the built-in defaults, configs/base.yaml")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: section.key=value (repeatable).",
+                                                  show_default="none")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no status lines.",
+                                        show_default="quiet: false")]
+EnvOpt = Annotated[str | None, _flag("env.name", "Game name (see `spa envs`).", "--env", "-e")]
+ModelOpt = Annotated[str | None, _flag("model.name", "smollm2-135m, a model directory, or a hub id.", "--model", "-m")]
+BackendOpt = Annotated[str | None, _flag("rollout.backend", "hf | vllm | random.", "--backend", "-b")]
+PromptModeOpt = Annotated[str | None, _flag("rollout.prompt_mode", "world_model | base.")]
+RenderModeOpt = Annotated[str | None, _flag("env.render_mode", "coords | text.")]
+ReportToOpt = Annotated[list[str] | None, _flag(
+    "tracking.report_to", "none | tensorboard | wandb (repeatable): trackers that also get the per-step "
+    "figures and the config.", "--report-to")]
+
+
+def _out(section: str, what: str) -> Any:
+    return _flag(f"{section}.out", what, "--out", "-o")
+
+
+def _resume(section: str) -> Any:
+    return _flag(f"{section}.resume", "Continue the run already at --out (same settings only).")
 
 
 #: OSErrors that a path or the machine's state causes, not a bug, and what to do about each.
@@ -142,11 +198,12 @@ def _load(config: Path | None, sets: list[str] | None, quiet: bool, **flags: Any
 def generate(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     env: EnvOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
-    groups: Annotated[int | None, typer.Option(help="Puzzles (seed groups).")] = None,
-    group_size: Annotated[int | None, typer.Option(help="Episodes per puzzle.")] = None,
-    seed: Annotated[int | None, typer.Option(help="First seed.")] = None,
-    prompt_mode: Annotated[str | None, typer.Option(help="world_model | base.")] = None,
-    out: OutOpt = None, resume: ResumeOpt = None,
+    groups: Annotated[int | None, _flag("rollout.groups", "Puzzles (seed groups).")] = None,
+    group_size: Annotated[int | None, _flag("rollout.group_size", "Episodes per puzzle.")] = None,
+    seed: Annotated[int | None, _flag("rollout.seed", "First seed.")] = None,
+    prompt_mode: PromptModeOpt = None,
+    out: Annotated[str | None, _out("generate", "trajectories.jsonl to write.")] = None,
+    resume: Annotated[bool | None, _resume("generate")] = None,
 ) -> None:
     """Self-play rollouts: play the game with a policy and write trajectories.jsonl."""
     from stages import generate as stage
@@ -161,13 +218,14 @@ def generate(
 @user_errors
 def clean(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[str | None, typer.Option(help="trajectories.jsonl from `spa generate`.")] = None,
-    out: OutOpt = None,
-    unit: Annotated[str | None, typer.Option(help="trajectory (default) | turn.")] = None,
-    states: Annotated[str | None, typer.Option(help="ground_truth (default) | self_belief.")] = None,
-    random_coordinates: Annotated[bool | None, typer.Option(help="Random coordinates (ablation).")] = None,
-    success_only: Annotated[bool | None, typer.Option(help="Keep successful episodes only.")] = None,
-    skip_bad: Annotated[bool | None, typer.Option(help="Skip unreadable lines instead of stopping.")] = None,
+    data: Annotated[str | None, _flag("clean.data", "trajectories.jsonl from `spa generate`.")] = None,
+    out: Annotated[str | None, _out("clean", "sft.jsonl to write (and its .val.jsonl).")] = None,
+    unit: Annotated[str | None, _flag("clean.unit", "trajectory | turn.")] = None,
+    states: Annotated[str | None, _flag("clean.states", "ground_truth | self_belief.")] = None,
+    random_coordinates: Annotated[bool | None, _flag("clean.random_coordinates",
+                                                     "Random coordinates (ablation).")] = None,
+    success_only: Annotated[bool | None, _flag("clean.success_only", "Keep successful episodes only.")] = None,
+    skip_bad: Annotated[bool | None, _flag("clean.skip_bad", "Skip unreadable lines instead of stopping.")] = None,
 ) -> None:
     """Ground-truth state replacement and filters: trajectories.jsonl -> sft.jsonl (+ sft.val.jsonl)."""
     from stages import clean as stage
@@ -182,18 +240,20 @@ def clean(
 @user_errors
 def sft(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[str | None, typer.Option(help="sft.jsonl from `spa clean`.")] = None,
-    model: ModelOpt = None, out: OutOpt = None,
-    epochs: Annotated[int | None, typer.Option(help="Training epochs.")] = None,
-    mask_states: Annotated[bool | None, typer.Option(help="No loss on state contents (ablation).")] = None,
-    resume: ResumeOpt = None,
+    data: Annotated[str | None, _flag("sft.data", "sft.jsonl from `spa clean`.")] = None,
+    model: ModelOpt = None,
+    out: Annotated[str | None, _out("sft", "Run directory to write.")] = None,
+    epochs: Annotated[int | None, _flag("sft.epochs", "Training epochs.")] = None,
+    mask_states: Annotated[bool | None, _flag("sft.mask_states", "No loss on state contents (ablation).")] = None,
+    report_to: ReportToOpt = None,
+    resume: Annotated[bool | None, _resume("sft")] = None,
     dry_run: Annotated[bool, typer.Option(help="Write the first rows' tokens and masks, do not train.")] = False,
 ) -> None:
     """World-model fine-tuning (DeepSpeed ZeRO): sft.jsonl + model -> checkpoint directory."""
     from stages import sft as stage
 
     cfg = _load(config, set_, quiet, sft__data=data, model__name=model, sft__out=out, sft__epochs=epochs,
-                sft__mask_states=mask_states, sft__resume=resume)
+                sft__mask_states=mask_states, tracking__report_to=report_to, sft__resume=resume)
     stage.run(cfg, dry_run=dry_run)
 
 
@@ -201,15 +261,17 @@ def sft(
 @user_errors
 def ppo(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    model: ModelOpt = None, env: EnvOpt = None, out: OutOpt = None,
-    steps: Annotated[int | None, typer.Option(help="PPO steps.")] = None,
-    resume: ResumeOpt = None,
+    model: ModelOpt = None, env: EnvOpt = None,
+    out: Annotated[str | None, _out("ppo", "Run directory to write.")] = None,
+    steps: Annotated[int | None, _flag("ppo.steps", "PPO steps.")] = None,
+    report_to: ReportToOpt = None,
+    resume: Annotated[bool | None, _resume("ppo")] = None,
 ) -> None:
     """Multi-turn PPO with a critic and GAE: checkpoint + env -> checkpoint directory."""
     from stages import ppo as stage
 
     cfg = _load(config, set_, quiet, model__name=model, env__name=env, ppo__out=out, ppo__steps=steps,
-                ppo__resume=resume)
+                tracking__report_to=report_to, ppo__resume=resume)
     stage.run(cfg)
 
 
@@ -219,15 +281,17 @@ def eval_(
     ctx: typer.Context,
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     model: ModelOpt = None, env: EnvOpt = None, backend: BackendOpt = None,
-    pass_k: Annotated[int | None, typer.Option("--pass-k", "-k", help="Largest k of Pass@k.")] = None,
-    seeds: Annotated[int | None, typer.Option(help="Number of eval puzzles (seeds from 123).")] = None,
-    n: Annotated[int | None, typer.Option("--n", help="Samples per puzzle (default: k).")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
-    prompt_mode: Annotated[str | None, typer.Option(help="world_model | base.")] = None,
-    render_mode: Annotated[str | None, typer.Option(help="coords | text.")] = None,
-    state_ppl: Annotated[bool | None, typer.Option(help="Also measure state perplexity.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Draw Pass@k against k into this PNG.")] = None,
-    out: OutOpt = None, resume: ResumeOpt = None,
+    pass_k: Annotated[int | None, _flag("eval.pass_k", "Largest k of Pass@k.", "--pass-k", "-k")] = None,
+    seeds: Annotated[int | None, _flag("eval.seeds", "Number of eval puzzles (seeds from eval.first_seed).")] = None,
+    n: Annotated[int | None, _flag("eval.n", "Samples per puzzle (null: k).", "--n")] = None,
+    temperature: Annotated[float | None, _flag("rollout.temperature", "Sampling temperature.")] = None,
+    prompt_mode: PromptModeOpt = None,
+    render_mode: RenderModeOpt = None,
+    state_ppl: Annotated[bool | None, _flag("eval.state_ppl", "Also measure state perplexity.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw Pass@k against k into this PNG.",
+                                              show_default="none")] = None,
+    out: Annotated[str | None, _out("eval", "report.json to write (and its .trajectories.jsonl).")] = None,
+    resume: Annotated[bool | None, _resume("eval")] = None,
 ) -> None:
     """Pass@k, world-model accuracy and state perplexity on fixed eval seeds -> report.json."""
     if ctx.invoked_subcommand is not None:
@@ -247,29 +311,92 @@ def eval_(
         plots.plot_pass_at_k(report, plot)
 
 
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="table | json | markdown.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Same as --format json.", show_default="false")]
+
+
+def _output_format(format_: str, as_json: bool) -> str:
+    if format_ not in ("table", "json", "markdown"):
+        _fail(f"--format must be table, json or markdown, got {format_!r}")
+    return "json" if as_json else format_
+
+
 @eval_app.command("compare")
 @user_errors
 def eval_compare(
     reports: Annotated[list[Path], typer.Argument(help="report.json files from `spa eval`.")],
     force: Annotated[bool, typer.Option(help="Compare even if the settings differ.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Draw the reports' Pass@k curves, with 95% bands, into "
+                                              "this PNG.", show_default="none")] = None,
+    format_: FormatOpt = "table", as_json: JsonOpt = False,
 ) -> None:
-    """Print several reports side by side, like the paper's Table 2."""
-    from stages.evaluation import tables
+    """Print several reports side by side, like the paper's Table 2 (percent), each report's Pass@1
+    and Pass@k minus the first's with a 95% interval; or the same figures as JSON (fractions) or
+    Markdown."""
+    from stages.evaluation import plots, tables
+    from stages.evaluation import reports as eval_reports
 
-    console.print(tables.compare(reports, force=force))
+    shape = _output_format(format_, as_json)
+    if plot is not None:
+        plots.check_plot(plot)
+    rows = eval_reports.compare_rows(reports, force=force)
+    if shape == "json":
+        typer.echo(json.dumps(rows, indent=2))
+    elif shape == "markdown":
+        typer.echo(tables.compare_markdown(rows), nl=False)
+    else:
+        tables.print_wide(tables.compare_table(rows), console)
+    if plot is not None:
+        plots.plot_pass_at_k([eval_reports.load_report(path) for path in reports], plot, [str(p) for p in reports])
 
 
 @app.command()
 @user_errors
 def pipeline(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    run_dir: Annotated[str | None, typer.Option("--dir", help="Run directory.")] = None,
+    run_dir: Annotated[str | None, _flag("pipeline.dir", "Run directory.", "--dir")] = None,
+    report_to: ReportToOpt = None,
 ) -> None:
     """The whole recipe (generate, clean, sft, ppo, eval) in one run directory; reruns skip
     completed stages and continue an interrupted one."""
     from stages import pipeline as stage
 
-    stage.run(_load(config, set_, quiet, pipeline__dir=run_dir))
+    stage.run(_load(config, set_, quiet, pipeline__dir=run_dir, tracking__report_to=report_to))
+
+
+# ---- looking at runs ----------------------------------------------------------------------------
+
+
+@app.command()
+@user_errors
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="Run directories (sft, ppo or pipeline) or metrics.jsonl "
+                                               "files; several are overlaid.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")] = Path("curves.png"),
+) -> None:
+    """Training curves: SFT loss, validation loss and learning rate; PPO reward, success, validation
+    Pass@1 and Pass@k, KL, entropy, clip fraction and response length, against the step."""
+    from stages.evaluation import plots
+
+    plots.check_plot(out, "--out")
+    path = plots.plot_curves(plots.read_runs(runs), out)
+    typer.echo(f"curves of {len(runs)} run(s) in {path}")
+
+
+@app.command()
+@user_errors
+def view(
+    source: Annotated[Path, typer.Argument(help="A run directory (pipeline, sft, ppo), an eval report.json or "
+                                           "a trajectories.jsonl.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="HTML page to write.")] = Path("view.html"),
+) -> None:
+    """One self-contained HTML page to open in a browser (no server, nothing fetched): a run's table
+    and plots, and an episode browser with each turn's board, the model's observation and prediction
+    beside the true states (wrong cells marked), actions, rewards and penalties."""
+    from stages.evaluation import viewer
+
+    summary = viewer.write_page(source, out)
+    typer.echo(summary)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -286,40 +413,59 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 @app.command()
 @user_errors
-def envs() -> None:
+def envs(format_: FormatOpt = "table", as_json: JsonOpt = False) -> None:
     """List the games and their settings."""
     from rich.table import Table
 
     import envs as registry
+    from stages.evaluation.tables import markdown_table, print_wide
 
-    table = Table("name", "gymnasium id", "settings", "actions / turn budget", "what")
+    shape = _output_format(format_, as_json)
+    rows = []
     for name in registry.names():
         spec = registry.spec(name)
         try:
             game = registry.make(name)  # settings such as other action names live on the instance
         except Exception:  # noqa: BLE001 - a game needing an option (qa: path) is described by its class
             game = spec.load_class()
-        settings = ", ".join(f"{k}={v}" for k, v in spec.kwargs.items())
-        actions = _moves(game)
-        table.add_row(name, spec.gym_id, settings, f"{actions or 'free-form'} / {game.max_actions_per_traj}",
-                      spec.summary)
-    console.print(table)
+        rows.append({"name": name, "gym_id": spec.gym_id, "settings": dict(spec.kwargs),
+                     "actions": _moves(game) or "free-form", "max_actions_per_traj": game.max_actions_per_traj,
+                     "summary": spec.summary})
+    if shape == "json":
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    headers = ("name", "gymnasium id", "settings", "actions / turn budget", "what")
+    cells = [(row["name"], row["gym_id"], ", ".join(f"{k}={v}" for k, v in row["settings"].items()),
+              f"{row['actions']} / {row['max_actions_per_traj']}", row["summary"]) for row in rows]
+    if shape == "markdown":
+        typer.echo(markdown_table(headers, cells), nl=False)
+        return
+    table = Table(*headers)
+    for column in table.columns[:2]:
+        column.no_wrap = True  # names are typed: never cut
+    for row in cells:
+        table.add_row(*row)
+    print_wide(table, console)
 
 
 @app.command()
 @user_errors
 def play(
-    env: Annotated[str, typer.Option("--env", "-e", help="Game name.")] = "sokoban",
+    config: ConfigOpt = None, set_: SetOpt = None,
+    env: EnvOpt = None,
     seed: Annotated[int, typer.Option(help="Puzzle seed.")] = 0,
-    render_mode: Annotated[str, typer.Option(help="coords | text.")] = "coords",
-    actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.")] = None,
+    render_mode: RenderModeOpt = None,
+    actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.",
+                                                show_default="none: play interactively")] = None,
 ) -> None:
-    """Play a game in the terminal: the state with coordinates, the reward, done."""
-    import envs as registry
+    """Play a game in the terminal: the state with coordinates, the reward, done, and why a move
+    changed nothing. The game and its options come from the config (qa: --set env.options.path=FILE)."""
+    from stages.agent.env_manager import make_env
 
     if seed < 0:
         _fail(f"--seed must be >= 0, got {seed}")
-    game = registry.make(env, render_mode=render_mode)
+    cfg = _load(config, set_, False, env__name=env, env__render_mode=render_mode)
+    game = make_env(cfg.env)
     text, _ = game.reset(seed=seed)
     typer.echo(text)
     names = _moves(game)
@@ -327,7 +473,7 @@ def play(
         moves = [a.strip() for a in actions.split("||")]
         bad = [m for m in moves if game.parse_action(m) is None]
         if bad:
-            _fail(f"not an action in {env}: {bad[0]!r}; actions are {names}")
+            _fail(f"not an action in {cfg.env.name}: {bad[0]!r}; actions are {names}")
         for move in moves:
             if _play_one(game, move):
                 break
@@ -351,7 +497,8 @@ def _moves(game: Any) -> str:
 
 def _play_one(game: Any, move: str) -> bool:
     text, reward, terminated, truncated, info = game.step(move)
-    typer.echo(f"> {game.parse_action(move)}  reward {reward:+g}")
+    unchanged = f"  (no effect: {info['no_effect']})" if info.get("no_effect") else ""
+    typer.echo(f"> {game.parse_action(move)}  reward {reward:+g}{unchanged}")
     typer.echo(text)
     done = terminated or truncated
     if done:
