@@ -179,6 +179,8 @@ def curves_figure(runs: Sequence[Run]) -> Any:
     """The training curves of `runs` as a matplotlib figure (see the module docstring): one panel
     per figure some run has, `COLUMNS` panels a row of `PANEL_SIZE` inches each."""
     pyplot = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     drawn = []
     for panel in PANELS:
         lines = []
@@ -206,6 +208,7 @@ def curves_figure(runs: Sequence[Run]) -> Any:
             handles.setdefault(index, line)
         ax.set_title(panel.title, fontsize="medium")
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if panel.log_y and all(v > 0 for _, _, points in lines for _, v in points):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
