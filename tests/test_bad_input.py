@@ -378,7 +378,7 @@ READ_ONLY = [
     case("sft-out-read-only", SFT, "--out", "{locked}/ro/run", says="permission denied or read-only"),
     case("ppo-out-read-only", PPO, "--out", "{locked}/ro/run", says="permission denied or read-only"),
     case("eval-out-read-only", EVAL, "--out", "{locked}/ro/r.json", says="permission denied or read-only"),
-    case("pipeline-dir-read-only", PIPELINE, "--dir", "{locked}/ro/run", says="Permission denied"),
+    case("pipeline-dir-read-only", PIPELINE, "--dir", "{locked}/ro/run", says="permission denied or read-only"),
 ]
 
 
