@@ -49,7 +49,11 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -q -n 2
 
+# The slow tests include `spa view`'s page in headless Chromium: playwright drives the system's
+# browser (apt install chromium; the test is skipped without it), never a browser of its own.
 test-slow: install
+	@$(BIN)/pip install --quiet -e '.[browser]' || \
+		{ echo "error: could not install playwright (spa's 'browser' extra); check the network"; exit 2; }
 	$(BIN)/python -m pytest -q -m slow
 
 # The whole recipe on the bundled model (configs/demo.yaml): RandSFT data, clean, SFT, PPO, and the

@@ -6,7 +6,9 @@ A game is a `gymnasium.Env` whose observations and actions are strings:
   Python version (all randomness comes from ``random.Random(seed)``, whose output is stable).
 * ``step(action)`` -> ``(text, reward, terminated, truncated, info)`` with ``info["success"]``,
   ``info["action_is_valid"]`` (the text was understood) and ``info["action_is_effective"]`` (the
-  state changed). An action that cannot be parsed or is not allowed changes nothing.
+  state changed). An action that cannot be parsed or is not allowed changes nothing, and then
+  ``info["no_effect"]`` says why in a few words ("a wall is in the way", "(1,2) is a clue"), which
+  `spa play` shows.
 * ``render()`` returns the same text as the last observation.
 
 Each game also carries what a prompt needs (action names, symbol legend, instruction texts), so

@@ -286,9 +286,11 @@ class CountdownEnv(TextGameEnv):
         self._require_puzzle()
         equation = parse_equation(action)
         if self.answer is not None:  # the answer is final
-            return 0.0, True, False, self._info(valid=equation is not None, effective=False)
+            return 0.0, True, False, self._info(valid=equation is not None, effective=False,
+                                                no_effect="the answer is already given")
         if equation is None or not Counter(equation.numbers) <= Counter(self.numbers):
-            return 0.0, False, False, self._info(valid=False, effective=False)
+            return 0.0, False, False, self._info(valid=False, effective=False,
+                                                 no_effect="not an equation over the given numbers")
         self.answer = equation
         return float(self.solved), True, False, self._info(valid=True, effective=True)
 
@@ -303,8 +305,9 @@ class CountdownEnv(TextGameEnv):
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _info(self, valid: bool, effective: bool) -> dict:
-        return {"success": self.solved, "action_is_valid": valid, "action_is_effective": effective}
+    def _info(self, valid: bool, effective: bool, no_effect: str = "") -> dict:
+        info = {"success": self.solved, "action_is_valid": valid, "action_is_effective": effective}
+        return info | ({"no_effect": no_effect} if no_effect else {})
 
     def _require_puzzle(self) -> list[int]:
         if not self.numbers:

@@ -197,7 +197,7 @@ class FrozenLakeEnv(TextGameEnv):
     def _step(self, action: str) -> tuple[float, bool, bool, dict]:
         name = self.parse_action(action)
         if name is None:  # not understood: nothing happens and no step is used
-            return 0.0, *self._status(), self._info(False, False)
+            return 0.0, *self._status(), self._info(False, False, "not an action")
         was_finished = self._finished(self.player)
         outcomes = self.transitions(self.player, self.action_names.index(name))
         _, new_cell = outcomes[self._rng.randrange(len(outcomes))]  # all outcomes are equally likely
@@ -205,15 +205,17 @@ class FrozenLakeEnv(TextGameEnv):
         self.player = new_cell
         self.steps += 1
         reward = 1.0 if self.player == self.goal and not was_finished else 0.0
-        return reward, *self._status(), self._info(True, moved)
+        why = "the episode is over" if was_finished else "the edge of the lake is in the way"
+        return reward, *self._status(), self._info(True, moved, "" if moved else why)
 
     def _status(self) -> tuple[bool, bool]:
         """(terminated, truncated): a hole or the goal ends the episode, else running out of steps."""
         terminated = self._finished(self.player)
         return terminated, not terminated and self.steps >= self.max_steps
 
-    def _info(self, valid: bool, effective: bool) -> dict:
-        return {"success": self.player == self.goal, "action_is_valid": valid, "action_is_effective": effective}
+    def _info(self, valid: bool, effective: bool, no_effect: str = "") -> dict:
+        info = {"success": self.player == self.goal, "action_is_valid": valid, "action_is_effective": effective}
+        return info | ({"no_effect": no_effect} if no_effect else {})
 
     # ---- text ----------------------------------------------------------------------------
 

@@ -216,9 +216,10 @@ class QAEnv(TextGameEnv):
         self._require_question()
         answer = self.parse_action(action)
         if self.answer is not None:  # the first answer is final
-            return 0.0, True, False, self._info(valid=answer is not None, effective=False)
+            return 0.0, True, False, self._info(valid=answer is not None, effective=False,
+                                                no_effect="the question is already answered")
         if answer is None:
-            return 0.0, False, False, self._info(valid=False, effective=False)
+            return 0.0, False, False, self._info(valid=False, effective=False, no_effect="an empty answer")
         self.answer = answer
         return float(self.solved), True, False, self._info(valid=True, effective=True)
 
@@ -231,8 +232,9 @@ class QAEnv(TextGameEnv):
     def coordinate_line(self) -> str:
         return ""
 
-    def _info(self, valid: bool, effective: bool) -> dict:
-        return {"success": self.solved, "action_is_valid": valid, "action_is_effective": effective}
+    def _info(self, valid: bool, effective: bool, no_effect: str = "") -> dict:
+        info = {"success": self.solved, "action_is_valid": valid, "action_is_effective": effective}
+        return info | ({"no_effect": no_effect} if no_effect else {})
 
     def _require_question(self) -> Question:
         if self.current is None:

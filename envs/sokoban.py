@@ -604,13 +604,16 @@ class SokobanEnv(TextGameEnv):
         if name is None:
             solved = room.solved()
             truncated = not solved and self.num_env_steps >= self.max_steps
-            return 0.0, solved, truncated, self._info(valid=False, effective=False)
+            return 0.0, solved, truncated, self._info(valid=False, effective=False, no_effect="not an action")
         self.num_env_steps += 1
-        moved, box_reward = self._move(room, room.offset(self.action_names.index(name)))
+        offset = room.offset(self.action_names.index(name))
+        blocked = "a wall is in the way" if room.walls[room.player + offset] else "the box cannot move that way"
+        moved, box_reward = self._move(room, offset)
         solved = room.solved()
         reward = -0.1 + box_reward + (10.0 if solved else 0.0)
         truncated = not solved and self.num_env_steps >= self.max_steps
-        return round(reward, 10), solved, truncated, self._info(valid=True, effective=moved)
+        return round(reward, 10), solved, truncated, self._info(valid=True, effective=moved,
+                                                                no_effect="" if moved else blocked)
 
     def render_grid(self) -> str:
         return grid_text(self._require_room(), self.symbols)
@@ -636,9 +639,10 @@ class SokobanEnv(TextGameEnv):
         room.player = ahead
         return True, float(beyond in room.target_set) - float(ahead in room.target_set)
 
-    def _info(self, valid: bool, effective: bool) -> dict:
+    def _info(self, valid: bool, effective: bool, no_effect: str = "") -> dict:
         room = self._require_room()
-        return {"success": room.solved(), "action_is_valid": valid, "action_is_effective": effective}
+        info = {"success": room.solved(), "action_is_valid": valid, "action_is_effective": effective}
+        return info | ({"no_effect": no_effect} if no_effect else {})
 
     def _require_room(self) -> Room:
         if self.room is None:

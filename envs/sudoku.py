@@ -99,6 +99,15 @@ def conflicts(board: Board, row: int, col: int, value: int) -> bool:
     return any(board[r][c] == value for r, c in peers)
 
 
+def conflict_units(board: Board, row: int, col: int, value: int) -> list[str]:
+    """Where ``value`` already appears among the peers of (row, col): "row", "column", "box"."""
+    top, left = row - row % BOX, col - col % BOX
+    units = {"row": [(row, c) for c in range(N)], "column": [(r, col) for r in range(N)],
+             "box": [(r, c) for r in range(top, top + BOX) for c in range(left, left + BOX)]}
+    return [name for name, cells in units.items()
+            if any(board[r][c] == value for r, c in cells if (r, c) != (row, col))]
+
+
 def count_solutions(board: Board, limit: int = 2) -> int:
     """Number of completions of ``board``, counting no further than ``limit`` (backtracking)."""
     empty = next(((r, c) for r in range(N) for c in range(N) if board[r][c] == 0), None)
@@ -221,37 +230,41 @@ class SudokuEnv(TextGameEnv):
 
     def _step(self, action: str) -> tuple[float, bool, bool, dict]:
         self.steps += 1  # every step counts, invalid ones too
-        move = self._checked_move(action)
+        move, problem = self._checked_move(action)
         if self.solved:  # absorbing once solved: nothing changes and there is no second reward
-            return 0.0, *self._status(), self._info(move is not None, False)
+            return 0.0, *self._status(), self._info(move is not None, False, "the puzzle is already solved")
         if move is None:
-            return 0.0, *self._status(), self._info(False, False)
+            return 0.0, *self._status(), self._info(False, False, problem)
         row, col, value = move
         if conflicts(self.board, row, col, value):
-            return 0.0, *self._status(), self._info(True, False)
+            where = " and ".join(conflict_units(self.board, row, col, value))
+            return 0.0, *self._status(), self._info(True, False, f"{value} is already in the {where} of "
+                                                                  f"({row + 1},{col + 1})")
         self.board[row][col] = value
         reward = 1.0 if self.solved else 0.0
         return reward, *self._status(), self._info(True, True)
 
-    def _checked_move(self, action: str) -> tuple[int, int, int] | None:
-        """Zero-indexed (row, col, value) of a well-formed, in-range move on a non-clue cell, else None."""
+    def _checked_move(self, action: str) -> tuple[tuple[int, int, int] | None, str]:
+        """Zero-indexed (row, col, value) of a well-formed, in-range move on a non-clue cell, or
+        None and why not."""
         canonical = self.parse_action(action)
         if canonical is None:
-            return None
+            return None, "not a move (r,c,v)"
         row, col, value = (int(x) for x in canonical.split(","))
         if not (1 <= row <= N and 1 <= col <= N and 1 <= value <= N):
-            return None
+            return None, f"row, column and value must be 1 to {N}"
         if self.puzzle[row - 1][col - 1]:  # initial clues are fixed
-            return None
-        return row - 1, col - 1, value
+            return None, f"({row},{col}) is a clue"
+        return (row - 1, col - 1, value), ""
 
     def _status(self) -> tuple[bool, bool]:
         """(terminated, truncated): solving ends the episode, else running out of steps."""
         terminated = self.solved
         return terminated, not terminated and self.steps >= self.max_steps
 
-    def _info(self, valid: bool, effective: bool) -> dict:
-        return {"success": self.solved, "action_is_valid": valid, "action_is_effective": effective}
+    def _info(self, valid: bool, effective: bool, no_effect: str = "") -> dict:
+        info = {"success": self.solved, "action_is_valid": valid, "action_is_effective": effective}
+        return info | ({"no_effect": no_effect} if no_effect else {})
 
     # ---- text ----------------------------------------------------------------------------
 

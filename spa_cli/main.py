@@ -2,8 +2,9 @@
 
 Every stage command reads the YAML config given by `--config`, applies the repeatable
 `--set section.key=value` overrides and then its own flags (which are shorthands for config keys),
-and calls the stage's `run(config)`. Errors a user can cause are printed as one line and exit with
-code 2. Stages are imported lazily so `spa --help` and `spa envs` stay fast.
+and calls the stage's `run(config)`. A flag's `--help` names the config key it sets and that key's
+built-in default (`_flag`). Errors a user can cause are printed as one line and exit with code 2.
+Stages are imported lazily so `spa --help`, `spa envs` and shell completion stay fast.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -61,7 +63,6 @@ app = typer.Typer(
     cls=_OneLineUsageErrors,
     help="SPA: world-model self-play finetuning for agentic RL (arXiv 2510.15047).",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 config_app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
@@ -72,16 +73,74 @@ app.add_typer(eval_app, name="eval")
 console = Console()
 err_console = Console(stderr=True)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: section.key=value (repeatable).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no status lines.")]
-ResumeOpt = Annotated[bool | None, typer.Option(help="Continue the run already at --out (same settings only).")]
-EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help="Game name (see `spa envs`).")]
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="smollm2-135m, a model directory, or a hub id.")]
-BackendOpt = Annotated[str | None, typer.Option("--backend", "-b", help="hf | vllm | random.")]
-OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Output path.")]
-PromptModeOpt = Annotated[str | None, typer.Option(help="world_model | base: the prompt the agent is shown.")]
-RenderModeOpt = Annotated[str | None, typer.Option(help="coords | text: states with or without coordinates.")]
+
+def _version(value: bool) -> None:
+    if value:
+        try:
+            version = metadata.version("spa")
+        except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            version = "unknown (not installed)"
+        typer.echo(f"spa {version}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool | None, typer.Option("--version", callback=_version, is_eager=True,
+                                                 help="Print spa's version and exit.")] = None,
+) -> None:
+    pass
+
+
+def _shown(value: Any) -> str:
+    """A config value as a YAML file writes it (null, true, [0.9, 0.95])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _flag(key: str, help: str, *names: str) -> Any:
+    """An option that sets config key `key` (None when not given: the config decides); its --help
+    shows the key and the built-in default it resolves to when neither --config nor --set sets it."""
+    from stages.common.config import default_of
+
+    return typer.Option(*names, help=help, show_default=f"{key}: {_shown(default_of(key))}")
+
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.",
+                                                show_default="none: the built-in defaults, configs/base.yaml")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: section.key=value (repeatable).",
+                                                  show_default="none")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no status lines.",
+                                        show_default="quiet: false")]
+EnvOpt = Annotated[str | None, _flag("env.name", "Game name (see `spa envs`).", "--env", "-e")]
+ModelOpt = Annotated[str | None, _flag("model.name", "smollm2-135m, a model directory, or a hub id.", "--model", "-m")]
+BackendOpt = Annotated[str | None, _flag("rollout.backend", "hf | vllm | random.", "--backend", "-b")]
+ReportToOpt = Annotated[list[str] | None, _flag(
+    "tracking.report_to", "none | tensorboard | wandb (repeatable): trackers that also get the per-step "
+    "figures and the config.", "--report-to")]
+
+
+def _out(section: str, what: str) -> Any:
+    return _flag(f"{section}.out", what, "--out", "-o")
+
+
+def _resume(section: str) -> Any:
+    return _flag(f"{section}.resume", "Continue the run already at --out (same settings only).")
+
+
+def _prompt_mode(section: str) -> Any:
+    return _flag(f"{section}.prompt_mode", "world_model | base: the prompt the agent is shown.")
+
+
+def _render_mode(section: str) -> Any:
+    return _flag(f"{section}.render_mode", "coords | text: states with or without coordinates.")
 
 
 #: OSErrors that a path or the machine's state causes, not a bug, and what to do about each.
@@ -162,11 +221,13 @@ def _load(config: Path | None, sets: list[str] | None, quiet: bool, **flags: Any
 def generate(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     env: EnvOpt = None, model: ModelOpt = None, backend: BackendOpt = None,
-    groups: Annotated[int | None, typer.Option(help="Puzzles (seed groups).")] = None,
-    group_size: Annotated[int | None, typer.Option(help="Episodes per puzzle.")] = None,
-    seed: Annotated[int | None, typer.Option(help="First seed.")] = None,
-    prompt_mode: PromptModeOpt = None, render_mode: RenderModeOpt = None,
-    out: OutOpt = None, resume: ResumeOpt = None,
+    groups: Annotated[int | None, _flag("rollout.groups", "Puzzles (seed groups).")] = None,
+    group_size: Annotated[int | None, _flag("rollout.group_size", "Episodes per puzzle.")] = None,
+    seed: Annotated[int | None, _flag("rollout.seed", "First seed.")] = None,
+    prompt_mode: Annotated[str | None, _prompt_mode("generate")] = None,
+    render_mode: Annotated[str | None, _render_mode("generate")] = None,
+    out: Annotated[str | None, _out("generate", "trajectories.jsonl to write.")] = None,
+    resume: Annotated[bool | None, _resume("generate")] = None,
 ) -> None:
     """Self-play rollouts: play the game with a policy and write trajectories.jsonl."""
     from stages import generate as stage
@@ -182,14 +243,15 @@ def generate(
 @user_errors
 def clean(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[str | None, typer.Option(
-        help="trajectories.jsonl from `spa generate`, or SPA's wm_train.parquet / hub dataset id.")] = None,
-    out: OutOpt = None,
-    unit: Annotated[str | None, typer.Option(help="trajectory (default) | turn.")] = None,
-    states: Annotated[str | None, typer.Option(help="ground_truth (default) | self_belief.")] = None,
-    random_coordinates: Annotated[bool | None, typer.Option(help="Random coordinates (ablation).")] = None,
-    success_only: Annotated[bool | None, typer.Option(help="Keep successful episodes only.")] = None,
-    skip_bad: Annotated[bool | None, typer.Option(help="Skip unreadable lines instead of stopping.")] = None,
+    data: Annotated[str | None, _flag(
+        "clean.data", "trajectories.jsonl from `spa generate`, or SPA's wm_train.parquet / hub dataset id.")] = None,
+    out: Annotated[str | None, _out("clean", "sft.jsonl to write (and its .val.jsonl).")] = None,
+    unit: Annotated[str | None, _flag("clean.unit", "trajectory | turn.")] = None,
+    states: Annotated[str | None, _flag("clean.states", "ground_truth | self_belief.")] = None,
+    random_coordinates: Annotated[bool | None, _flag("clean.random_coordinates",
+                                                     "Random coordinates (ablation).")] = None,
+    success_only: Annotated[bool | None, _flag("clean.success_only", "Keep successful episodes only.")] = None,
+    skip_bad: Annotated[bool | None, _flag("clean.skip_bad", "Skip unreadable lines instead of stopping.")] = None,
 ) -> None:
     """Ground-truth state replacement and filters: trajectories.jsonl -> sft.jsonl (+ sft.val.jsonl)."""
     from stages import clean as stage
@@ -204,20 +266,22 @@ def clean(
 @user_errors
 def sft(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    data: Annotated[str | None, typer.Option(
-        help="sft.jsonl from `spa clean`, or SPA's wm_train.parquet, or a hub dataset id.")] = None,
-    model: ModelOpt = None, out: OutOpt = None,
-    epochs: Annotated[int | None, typer.Option(help="Training epochs.")] = None,
-    state_text: Annotated[str | None, typer.Option(
-        help="trained | masked (the paper's [MASKED] ablation) | untrained (shown, no loss).")] = None,
-    resume: ResumeOpt = None,
+    data: Annotated[str | None, _flag(
+        "sft.data", "sft.jsonl from `spa clean`, or SPA's wm_train.parquet, or a hub dataset id.")] = None,
+    model: ModelOpt = None,
+    out: Annotated[str | None, _out("sft", "Run directory to write.")] = None,
+    epochs: Annotated[int | None, _flag("sft.epochs", "Training epochs.")] = None,
+    state_text: Annotated[str | None, _flag(
+        "sft.state_text", "trained | masked (the paper's [MASKED] ablation) | untrained (shown, no loss).")] = None,
+    report_to: ReportToOpt = None,
+    resume: Annotated[bool | None, _resume("sft")] = None,
     dry_run: Annotated[bool, typer.Option(help="Write the first rows' tokens and masks, do not train.")] = False,
 ) -> None:
     """World-model fine-tuning (DeepSpeed ZeRO): sft.jsonl + model -> checkpoint directory."""
     from stages import sft as stage
 
     cfg = _load(config, set_, quiet, sft__data=data, model__name=model, sft__out=out, sft__epochs=epochs,
-                sft__state_text=state_text, sft__resume=resume)
+                sft__state_text=state_text, tracking__report_to=report_to, sft__resume=resume)
     stage.run(cfg, dry_run=dry_run)
 
 
@@ -225,16 +289,20 @@ def sft(
 @user_errors
 def ppo(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    model: ModelOpt = None, env: EnvOpt = None, out: OutOpt = None,
-    steps: Annotated[int | None, typer.Option(help="PPO steps.")] = None,
-    prompt_mode: PromptModeOpt = None, render_mode: RenderModeOpt = None,
-    resume: ResumeOpt = None,
+    model: ModelOpt = None, env: EnvOpt = None,
+    out: Annotated[str | None, _out("ppo", "Run directory to write.")] = None,
+    steps: Annotated[int | None, _flag("ppo.steps", "PPO steps.")] = None,
+    prompt_mode: Annotated[str | None, _prompt_mode("ppo")] = None,
+    render_mode: Annotated[str | None, _render_mode("ppo")] = None,
+    report_to: ReportToOpt = None,
+    resume: Annotated[bool | None, _resume("ppo")] = None,
 ) -> None:
     """Multi-turn PPO with a critic and GAE: checkpoint + env -> checkpoint directory."""
     from stages import ppo as stage
 
     cfg = _load(config, set_, quiet, model__name=model, env__name=env, ppo__out=out, ppo__steps=steps,
-                ppo__prompt_mode=prompt_mode, ppo__render_mode=render_mode, ppo__resume=resume)
+                ppo__prompt_mode=prompt_mode, ppo__render_mode=render_mode, tracking__report_to=report_to,
+                ppo__resume=resume)
     stage.run(cfg)
 
 
@@ -244,14 +312,17 @@ def eval_(
     ctx: typer.Context,
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     model: ModelOpt = None, env: EnvOpt = None, backend: BackendOpt = None,
-    pass_k: Annotated[int | None, typer.Option("--pass-k", "-k", help="Largest k of Pass@k.")] = None,
-    seeds: Annotated[int | None, typer.Option(help="Number of eval puzzles (seeds from 123).")] = None,
-    n: Annotated[int | None, typer.Option("--n", help="Samples per puzzle (default: k).")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
-    prompt_mode: PromptModeOpt = None, render_mode: RenderModeOpt = None,
-    state_ppl: Annotated[bool | None, typer.Option(help="Also measure state perplexity.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Draw Pass@k against k into this PNG.")] = None,
-    out: OutOpt = None, resume: ResumeOpt = None,
+    pass_k: Annotated[int | None, _flag("eval.pass_k", "Largest k of Pass@k.", "--pass-k", "-k")] = None,
+    seeds: Annotated[int | None, _flag("eval.seeds", "Number of eval puzzles (seeds from eval.first_seed).")] = None,
+    n: Annotated[int | None, _flag("eval.n", "Samples per puzzle (null: k).", "--n")] = None,
+    temperature: Annotated[float | None, _flag("rollout.temperature", "Sampling temperature.")] = None,
+    prompt_mode: Annotated[str | None, _prompt_mode("eval")] = None,
+    render_mode: Annotated[str | None, _render_mode("eval")] = None,
+    state_ppl: Annotated[bool | None, _flag("eval.state_ppl", "Also measure state perplexity.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Draw Pass@k against k into this PNG.",
+                                              show_default="none")] = None,
+    out: Annotated[str | None, _out("eval", "report.json to write (and its .trajectories.jsonl).")] = None,
+    resume: Annotated[bool | None, _resume("eval")] = None,
 ) -> None:
     """Pass@k, world-model accuracy and state perplexity on fixed eval seeds -> report.json."""
     if ctx.invoked_subcommand is not None:
@@ -272,23 +343,51 @@ def eval_(
             plots.plot_pass_at_k(report, plot)
 
 
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="table | json | markdown.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Same as --format json.", show_default="false")]
+
+
+def _output_format(format_: str, as_json: bool) -> str:
+    if format_ not in ("table", "json", "markdown"):
+        _fail(f"--format must be table, json or markdown, got {format_!r}")
+    return "json" if as_json else format_
+
+
 @eval_app.command("compare")
 @user_errors
 def eval_compare(
     reports: Annotated[list[Path], typer.Argument(help="report.json files from `spa eval`.")],
     force: Annotated[bool, typer.Option(help="Compare even if the settings differ.")] = False,
+    plot: Annotated[Path | None, typer.Option(help="Draw the reports' Pass@k curves, with 95% bands, into "
+                                              "this PNG.", show_default="none")] = None,
+    format_: FormatOpt = "table", as_json: JsonOpt = False,
 ) -> None:
-    """Print several reports side by side, like the paper's Table 2."""
-    from stages.evaluation import tables
+    """Print several reports side by side, like the paper's Table 2 (percent), each report's Pass@1
+    and Pass@k minus the first's with a 95% interval; or the same figures as JSON (fractions) or
+    Markdown."""
+    from stages.evaluation import plots, tables
+    from stages.evaluation import reports as eval_reports
 
-    console.print(tables.compare(reports, force=force))
+    shape = _output_format(format_, as_json)
+    if plot is not None:
+        plots.check_plot(plot)
+    rows = eval_reports.compare_rows(reports, force=force)
+    if shape == "json":
+        typer.echo(json.dumps(rows, indent=2))
+    elif shape == "markdown":
+        typer.echo(tables.compare_markdown(rows), nl=False)
+    else:
+        tables.print_wide(tables.compare_table(rows), console)
+    if plot is not None:
+        plots.plot_pass_at_k([eval_reports.load_report(path) for path in reports], plot, [str(p) for p in reports])
 
 
 @app.command()
 @user_errors
 def pipeline(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
-    run_dir: Annotated[str | None, typer.Option("--dir", help="Run directory.")] = None,
+    run_dir: Annotated[str | None, _flag("pipeline.dir", "Run directory.", "--dir")] = None,
+    report_to: ReportToOpt = None,
     dry_run: Annotated[bool, typer.Option(help="Print the plan (stages, arms, models, modes, sizes); run "
                                           "and write nothing.")] = False,
     json_: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON.")] = False,
@@ -297,7 +396,7 @@ def pipeline(
     completed stages and continue an interrupted one."""
     from stages import pipeline as stage
 
-    cfg = _load(config, set_, quiet, pipeline__dir=run_dir)
+    cfg = _load(config, set_, quiet, pipeline__dir=run_dir, tracking__report_to=report_to)
     if json_ and not dry_run:
         _fail("--json prints the plan; use it with --dry-run")
     if dry_run:
@@ -308,6 +407,41 @@ def pipeline(
             console.print(stage.describe(plan), highlight=False, markup=False, soft_wrap=True)
         return
     stage.run(cfg)
+
+
+# ---- looking at runs ----------------------------------------------------------------------------
+
+
+@app.command()
+@user_errors
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="Run directories (sft, ppo or pipeline) or metrics.jsonl "
+                                               "files; several are overlaid.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")] = Path("curves.png"),
+) -> None:
+    """Training curves: SFT loss, validation loss and learning rate; PPO reward, success, validation
+    Pass@1 and Pass@k, KL, entropy, clip fraction and response length, against the step."""
+    from stages.evaluation import plots
+
+    plots.check_plot(out, "--out")
+    path = plots.plot_curves(plots.read_runs(runs), out)
+    typer.echo(f"curves of {len(runs)} run(s) in {path}")
+
+
+@app.command()
+@user_errors
+def view(
+    source: Annotated[Path, typer.Argument(help="A run directory (pipeline, sft, ppo), an eval report.json or "
+                                           "a trajectories.jsonl.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="HTML page to write.")] = Path("view.html"),
+) -> None:
+    """One self-contained HTML page to open in a browser (no server, nothing fetched): a run's table
+    and plots, and an episode browser with each turn's board, the model's observation and prediction
+    beside the true states (wrong cells marked), actions, rewards and penalties."""
+    from stages.evaluation import viewer
+
+    summary = viewer.write_page(source, out)
+    typer.echo(summary)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -324,46 +458,68 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
 
 @app.command()
 @user_errors
-def envs() -> None:
+def envs(format_: FormatOpt = "table", as_json: JsonOpt = False) -> None:
     """List the games and their settings."""
     from rich.table import Table
 
     import envs as registry
+    from stages.evaluation.tables import markdown_table, print_wide
 
-    table = Table("name", "gymnasium id", "settings", "actions / turn budget", "prompt / render modes", "what")
+    shape = _output_format(format_, as_json)
+    rows = []
     for name in registry.names():
         spec = registry.spec(name)
         try:
             game = registry.make(name)  # settings such as other action names live on the instance
         except Exception:  # noqa: BLE001 - a game needing an option (qa: path) is described by its class
             game = spec.load_class()
-        settings = ", ".join(f"{k}={v}" for k, v in spec.kwargs.items())
-        actions = _moves(game)
-        modes = f"{', '.join(registry.prompt_modes(game))} / {', '.join(registry.render_modes(game))}"
-        table.add_row(name, spec.gym_id, settings, f"{actions or 'free-form'} / {game.max_actions_per_traj}",
-                      modes, spec.summary)
-    console.print(table)
+        rows.append({"name": name, "gym_id": spec.gym_id, "settings": dict(spec.kwargs),
+                     "actions": _moves(game) or "free-form", "max_actions_per_traj": game.max_actions_per_traj,
+                     "prompt_modes": list(registry.prompt_modes(game)),
+                     "render_modes": list(registry.render_modes(game)), "summary": spec.summary})
+    if shape == "json":
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    headers = ("name", "gymnasium id", "settings", "actions / turn budget", "prompt / render modes", "what")
+    cells = [(row["name"], row["gym_id"], ", ".join(f"{k}={v}" for k, v in row["settings"].items()),
+              f"{row['actions']} / {row['max_actions_per_traj']}",
+              f"{', '.join(row['prompt_modes'])} / {', '.join(row['render_modes'])}", row["summary"]) for row in rows]
+    if shape == "markdown":
+        typer.echo(markdown_table(headers, cells), nl=False)
+        return
+    table = Table(*headers)
+    for column in table.columns[:2]:
+        column.no_wrap = True  # names are typed: never cut
+    for row in cells:
+        table.add_row(*row)
+    print_wide(table, console)
 
 
 @app.command()
 @user_errors
 def play(
-    env: Annotated[str, typer.Option("--env", "-e", help="Game name.")] = "sokoban",
+    config: ConfigOpt = None, set_: SetOpt = None,
+    env: EnvOpt = None,
     seed: Annotated[int, typer.Option(help="Puzzle seed.")] = 0,
     render_mode: Annotated[str | None, typer.Option(
         help="coords | text (default: coords where the game has coordinates).")] = None,
-    actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.")] = None,
+    actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.",
+                                                show_default="none: play interactively")] = None,
 ) -> None:
-    """Play a game in the terminal: the state with coordinates, the reward, done."""
+    """Play a game in the terminal: the state with coordinates, the reward, done, and why a move
+    changed nothing. The game and its options come from the config (qa: --set env.options.path=FILE)."""
     import envs as registry
+    from stages.agent.env_manager import make_env
     from stages.common.distributed import require_one_process
 
     require_one_process("play", "run it without torchrun / deepspeed")
     if seed < 0:
         _fail(f"--seed must be >= 0, got {seed}")
+    cfg = _load(config, set_, False, env__name=env)
     if render_mode is None:
-        render_mode = "coords" if "coords" in registry.render_modes(registry.spec(env).load_class()) else "text"
-    game = registry.make(env, render_mode=render_mode)
+        game_class = registry.spec(cfg.env.name).load_class()
+        render_mode = "coords" if "coords" in registry.render_modes(game_class) else "text"
+    game = make_env(cfg.env, render_mode)
     text, _ = game.reset(seed=seed)
     typer.echo(text)
     names = _moves(game)
@@ -371,7 +527,7 @@ def play(
         moves = [a.strip() for a in actions.split("||")]
         bad = [m for m in moves if game.parse_action(m) is None]
         if bad:
-            _fail(f"not an action in {env}: {bad[0]!r}; actions are {names}")
+            _fail(f"not an action in {cfg.env.name}: {bad[0]!r}; actions are {names}")
         for move in moves:
             if _play_one(game, move):
                 break
@@ -395,7 +551,8 @@ def _moves(game: Any) -> str:
 
 def _play_one(game: Any, move: str) -> bool:
     text, reward, terminated, truncated, info = game.step(move)
-    typer.echo(f"> {game.parse_action(move)}  reward {reward:+g}")
+    unchanged = f"  (no effect: {info['no_effect']})" if info.get("no_effect") else ""
+    typer.echo(f"> {game.parse_action(move)}  reward {reward:+g}{unchanged}")
     typer.echo(text)
     done = terminated or truncated
     if done:

@@ -14,8 +14,9 @@ Below them, what the stages share, by what it is (imports flow down this list, n
 
     common/      config (schema and ranges), artifacts (atomic files and directories, JSONL,
                  manifests), runs (the "same run?" rule), console (messages and progress),
-                 models (finding, converting and loading models), spa_data (SPA's released
-                 parquet SFT data), seeds, errors
+                 tracking (TensorBoard and wandb beside metrics.jsonl), models (finding,
+                 converting and loading models), spa_data (SPA's released parquet SFT data),
+                 seeds, errors
     agent/       the agent loop: prompts, parsing, episode records, the env manager, the context
                  manager, the agent proxy (`play`), states (comparing states; VAGEN's state
                  reward), and the generation backends (hf, vllm, random)
@@ -23,5 +24,6 @@ Below them, what the stages share, by what it is (imports flow down this list, n
                  PPO, the run directory and its checkpoints, SFT data and masks, PPO samples,
                  networks and algorithms
     evaluation/  metrics (Pass@k, world-model accuracy), state perplexity, the eval runner,
-                 reports, tables and plots
+                 reports, tables, plots (training curves, Pass@k bands) and the viewer (`spa
+                 view`'s HTML page)
 """

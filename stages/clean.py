@@ -85,7 +85,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
         rows = spa_data.read_rows(data) + (spa_data.read_rows(spa_val) if spa_val is not None else [])
         result, bad_lines = clean_spa_rows(rows, config), 0
     else:
-        rows, bad_lines = artifacts.read_jsonl(data, skip_bad=options.skip_bad, required=REQUIRED)
+        rows, bad_lines = artifacts.read_jsonl(data, skip_bad=options.skip_bad, required=REQUIRED,
+                                               fix="fix or delete that line, or add --skip-bad to skip such lines")
         if not rows and not bad_lines:
             raise UserError(f"{options.data} holds no trajectories; write it with `spa generate` (or check the path)")
         result = clean_trajectories(rows, config)
@@ -98,7 +99,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
     val_out = artifacts.val_path(out)
     artifacts.write_jsonl_files({out: result.train, val_out: result.val})
     summary = {
-        "out": str(out), "val_out": str(val_out),
+        "data": options.data, "out": str(out), "val_out": str(val_out),
         "trajectories": len(rows) + bad_lines,
         "rows": len(result.train) + len(result.val),
         "train_rows": len(result.train),
@@ -346,5 +347,18 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     if summary["unit"] == "trajectory" and summary["untrained_turns"]:
         console.result(f"clean: {summary['untrained_turns']} malformed turns kept as context without loss")
     if summary["rows"] == 0:
-        console.result("clean: warning: no rows kept; a model that never writes the format gives no data "
-                       "(bootstrap with the random backend, or --set clean.filter_format=false)")
+        console.result(f"clean: warning: no rows kept; {no_rows_cause(summary)}")
+
+
+def no_rows_cause(summary: dict[str, Any]) -> str:
+    """Why a clean kept no row, and what to do, from its counts (the filter that dropped the last
+    trajectories speaks first)."""
+    dropped = summary["dropped_trajectories"]
+    read = summary["trajectories"] - dropped.get("bad_line", 0) - dropped.get("malformed", 0)
+    if read == 0:
+        return f"every line of {summary['data']} was unreadable and skipped (--skip-bad); check the file"
+    if dropped.get("not_success") and dropped["not_success"] == read:
+        return (f"--success-only kept nothing: none of the {read} trajectories succeeded (drop --success-only, "
+                "or generate more episodes)")
+    return ("the format filter dropped every turn: a model that never writes the format gives no data "
+            "(bootstrap with the random backend, or --set clean.filter_format=false)")

@@ -49,6 +49,8 @@ equal its stages, and take the variant's name where they differ. Layout of `pipe
     ppo/<id>/                    ppo       PPO (final/ is the model)
     eval/<id>.json               eval      the reports (+ .trajectories.jsonl)
     table.md                     the comparison, laid out like the paper's Table 2
+    curves.png                   the training curves of sft/ and ppo/ (`spa plot`)
+    pass_at_k.png                the Pass@k curves of the arms, with 95% bands
     pipeline_state.json          the stages completed, under which fingerprint
 
 A stage is skipped when it completed before with the same fingerprint: the config sections it
@@ -60,6 +62,7 @@ and stage before anything runs or is written; `spa pipeline --dry-run` prints it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import hashlib
@@ -73,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.env_manager import check_modes
-from stages.common import artifacts, distributed, spa_data
+from stages.common import artifacts, distributed, spa_data, tracking
 from stages.common.config import EnvConfig, SPAConfig, from_dict, with_overrides
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -578,7 +581,9 @@ def run(config: SPAConfig) -> dict[str, Any]:
                                     "sft, ppo and eval under the launcher (README: \"The paper's recipe on GPUs\")")
     console = Console(config.quiet)
     check_backend(config.model, config.rollout)  # a missing vLLM fails now, not after the SFT
+    tracking.check(config.tracking)  # before the first stage, not when sft starts
     the_plan = plan(config)
+    artifacts.check_writable(the_plan.dir)
     the_plan.dir.mkdir(parents=True, exist_ok=True)
     state_path = the_plan.dir / STATE_FILE
     state = artifacts.read_json(state_path) if state_path.is_file() else {}
@@ -602,6 +607,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
         artifacts.write_json(state_path, state)
     table = write_table(the_plan)
     console.result(table)
+    write_plots(the_plan)
     return {"dir": str(the_plan.dir), "skipped": skipped, "table": table}
 
 
@@ -679,6 +685,20 @@ def write_table(the_plan: Plan) -> str:
     with artifacts.atomic_write(the_plan.dir / "table.md") as handle:
         handle.write(table)
     return table
+
+
+def write_plots(the_plan: Plan) -> None:
+    """curves.png from the training runs' metrics (sft/ID, ppo/ID), pass_at_k.png from the arms'
+    eval reports, with 95% bands."""
+    from stages.evaluation import plots
+    from stages.evaluation.reports import load_report
+
+    with contextlib.suppress(UserError):  # no training stage in this run: no curves
+        plots.plot_curves(plots.runs_in(the_plan.dir), the_plan.dir / "curves.png")
+    arms = [arm for arm in the_plan.arms if Path(the_plan.rows[arm.name].config.eval.out).is_file()]
+    if arms:
+        plots.plot_pass_at_k([load_report(the_plan.rows[arm.name].config.eval.out) for arm in arms],
+                             the_plan.dir / "pass_at_k.png", [arm.label or arm.name for arm in arms])
 
 
 def _percent(value: float | None) -> str:

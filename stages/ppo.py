@@ -99,7 +99,7 @@ from stages.agent.backends import check_backend, make_backend
 from stages.agent.env_manager import check_modes
 from stages.agent.proxy import play
 from stages.agent.states import StateReward
-from stages.common import distributed
+from stages.common import distributed, tracking
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.distributed import Dist
@@ -523,6 +523,7 @@ def load_checkpoint(run_dir: RunDir, models: Models) -> torch.Tensor:
 def run(config: SPAConfig) -> dict[str, Any]:
     """Train ``config.model.name`` with PPO on ``config.env.name``; returns a summary of the run."""
     check_config(config, distributed.launched_world())
+    tracking.check(config.tracking)
     ppo = config.ppo
     run_dir = RunDir(ppo.out, "ppo")
     resuming = run_dir.check(settings(config), ppo.resume)  # every rank, before any writes
@@ -546,10 +547,14 @@ def run(config: SPAConfig) -> dict[str, Any]:
     system_length = None
     last: dict[str, Any] = {}
 
-    with run_dir.metrics_log(dist) as log, console.progress("ppo", ppo.steps, step) as bar:
+    tracker = tracking.start(config, run_dir.out, "ppo", step if saved is not None else None, console,
+                             main=dist.main)
+    with run_dir.metrics_log(dist) as log, tracker, console.progress("ppo", ppo.steps, step) as bar:
         if step == 0 and ppo.val_every:
             with _autocast(models.actor_engine):
-                log.append({"step": 0, **validate(config, backend, models, 0)})
+                row = {"step": 0, **validate(config, backend, models, 0)}
+            log.append(row)
+            tracker.log(row)
         while step < ppo.steps:
             step += 1
             timer = _Timer()
@@ -588,6 +593,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
                     row |= validate(config, backend, models, step)
                 row["seconds_validation"] = timer.seconds["seconds_validation"]
             log.append(_finite_or_none(row))
+            tracker.log(row)
             last = row
             progress = {"step": step, "seed_counter": seed_counter}
             if step == ppo.steps:

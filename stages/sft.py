@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import artifacts, distributed, spa_data
+from stages.common import artifacts, distributed, spa_data, tracking
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -70,6 +70,7 @@ RESUME_FREE = {"out", "resume", "val_data", "save_every_steps", "stop_after_step
 def run(config: SPAConfig, dry_run: bool = False) -> dict:
     """Train (or, with `dry_run`, only write the first rows' tokens and masks). Returns a summary."""
     cfg, console = config.sft, Console(config.quiet)
+    tracking.check(config.tracking)
     if cfg.lora_rank > 0 and cfg.zero_stage == 3:
         raise UserError("LoRA with ZeRO-3 is not supported; use --set sft.zero_stage=2 (LoRA weights are small)")
     data, spa_val = spa_data.locate(cfg.data)
@@ -204,8 +205,10 @@ class _Trainer:
                                             cfg.deepspeed_config)
         progress = self._restore() if saved is not None else Progress()
         self._announce(progress, saved is not None)
-        with self.run_dir.metrics_log(self.dist) as metrics:
-            return self._epochs(progress, metrics)
+        resumed_after = progress.global_step if saved is not None else None
+        tracker = tracking.start(self.config, self.run_dir.out, "sft", resumed_after, self.console, self.dist.main)
+        with self.run_dir.metrics_log(self.dist) as metrics, tracker:
+            return self._epochs(progress, metrics, tracker)
 
     def _restore(self) -> Progress:
         import torch
@@ -225,7 +228,7 @@ class _Trainer:
                          f"steps of {cfg.global_batch} rows on {self.dist.world}x {self.dist.device} "
                          f"({engine}{offload}); {where}")
 
-    def _epochs(self, progress: Progress, metrics) -> dict:
+    def _epochs(self, progress: Progress, metrics, tracker: tracking.Tracker) -> dict:
         plan: dict[int, list[list[int]]] = {}
         with self.console.progress("sft", self.total_steps, progress.global_step) as bar:
             while not progress.done:
@@ -239,6 +242,7 @@ class _Trainer:
                     row["val_loss"] = self._evaluate()
                 progress.last = row
                 metrics.append(row)
+                tracker.log(row)
                 bar.update(row["step"], _figures(row))
                 saved = epoch_end or self._save_due(progress)
                 if epoch_end:

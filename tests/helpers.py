@@ -92,3 +92,13 @@ def answering_model(tokenizer, steps: int = 60, seed: int = 0):
         optimizer.step()
         optimizer.zero_grad()
     return model
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG file's header, which must be one."""
+    import struct
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])

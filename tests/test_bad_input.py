@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -93,7 +92,7 @@ CONFIG_CASES = [
     ]
 ]
 
-PLOT_PROBLEM = "needs matplotlib" if importlib.util.find_spec("matplotlib") is None else "is a file"
+PLOT_PROBLEM = "is a file"
 
 STAGE_CASES = [
     # generate
@@ -233,7 +232,7 @@ STAGE_CASES = [
          says="or pass --force"),
     case("compare-no-reports", ("eval", "compare"), says="Missing argument"),
     # pipeline, config, play, envs, the app itself
-    case("pipeline-dir-under-a-file", PIPELINE, "--dir", "{file}/run", says="Not a directory"),
+    case("pipeline-dir-under-a-file", PIPELINE, "--dir", "{file}/run", says="is a file; choose another path"),
     case("pipeline-unknown-data-policy", PIPELINE, "--set", "pipeline.data_policy=human",
          says="pipeline.data_policy must be one of"),
     case("pipeline-unknown-arm", PIPELINE, "--set", "pipeline.arms=[base, spaa]",
@@ -257,6 +256,32 @@ STAGE_CASES = [
     case("play-seed-not-a-number", ("play", "--seed", "x"), says="Invalid value for '--seed'"),
     case("play-unknown-render-mode", ("play", "--render-mode", "xx"), says="sokoban has no render mode 'xx'"),
     case("envs-unknown-option", ("envs", "--all"), says="No such option: --all"),
+    case("envs-unknown-format", ("envs", "--format", "yaml"), says="--format must be table, json or markdown"),
+    # spa plot and spa view on files of another kind, and outputs that cannot be written
+    case("plot-a-report", ("plot", "{report}", "--out", "{out}/c.png"), says="spa plot expects the directory of"),
+    case("plot-trajectories", ("plot", "{traj}", "--out", "{out}/c.png"), says="is not the metrics.jsonl of a spa"),
+    case("plot-empty-dir", ("plot", "{ws}/no-config-model", "--out", "{out}/c.png"), says="holds no metrics.jsonl"),
+    case("plot-missing", ("plot", "{ws}/missing", "--out", "{out}/c.png"), says="missing does not exist"),
+    case("plot-out-is-a-dir", ("plot", "{ws}/metrics", "--out", "{ws}"), says="is a directory; give a .png"),
+    case("view-metrics", ("view", "{ws}/metrics/metrics.jsonl", "--out", "{out}/v.html"),
+         says="is the metrics.jsonl of a sft run"),
+    case("view-sft-rows", ("view", "{sft}", "--out", "{out}/v.html"), says="holds SFT rows (spa clean)"),
+    case("view-a-manifest", ("view", "{traj}.manifest.json", "--out", "{out}/v.html"),
+         says="is a JSON file but not a spa eval report"),
+    case("view-not-json", ("view", "{ws}/not-json.jsonl", "--out", "{out}/v.html"), says="spa view expects"),
+    case("view-not-utf8", ("view", "{ws}/latin1.jsonl", "--out", "{out}/v.html"), says="is not UTF-8 text; spa view"),
+    case("view-empty-dir", ("view", "{ws}/no-config-model", "--out", "{out}/v.html"), says="holds no spa run"),
+    case("view-out-is-a-dir", ("view", "{traj}", "--out", "{ws}"), says="is a directory; give an .html"),
+    *[case(f"{name}-out-under-proc", command, flag, "/proc/spa-test/x", says="cannot create files in /proc")
+      for name, command, flag in [("generate", GENERATE, "--out"), ("clean", CLEAN, "--out"), ("sft", SFT, "--out"),
+                                  ("ppo", PPO, "--out"), ("eval", EVAL, "--out"), ("pipeline", PIPELINE, "--dir"),
+                                  ("eval-plot", EVAL, "--plot"), ("plot", ("plot", "{ws}/metrics"), "--out"),
+                                  ("view", ("view", "{traj}"), "--out"),
+                                  ("compare-plot", ("eval", "compare", "{report}"), "--plot")]],
+    *[case(f"{name}-out-is-dev-null", command, "--out", "/dev/null", says="/dev/null is a device")
+      for name, command in [("generate", GENERATE), ("clean", CLEAN), ("eval", EVAL), ("plot", ("plot", "{ws}/metrics")),
+                            ("view", ("view", "{traj}"))]],
+    case("sft-out-is-dev-null", SFT, "--out", "/dev/null", says="--out /dev/null is a file"),
     case("unknown-command", ("trian",), says="No such command 'trian'"),
 ]
 
@@ -308,6 +333,8 @@ def write_bad_files(ws: Path, model: Path) -> None:
     }
     for name, text in files.items():
         (ws / name).write_text(text, encoding="utf-8")
+    (ws / "metrics").mkdir()
+    (ws / "metrics" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "lr": 1e-4}) + "\n")
     (ws / "latin1.jsonl").write_bytes('{"id": "caf\u00e9"}\n'.encode("latin-1"))
     write_parquet(ws / "wm_train.parquet", {"prompt": [[{"role": "user", "content": "hi"}]]})
     write_parquet(ws / "no-prompt.parquet", {"response": ["<think> </think> <answer>Up</answer>"]})
@@ -366,10 +393,28 @@ def test_bad_input_ends_in_one_error_line_and_changes_nothing(bad, workspace, re
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     before = snapshot(ws)
-    result = runner.invoke(app, fill(bad.args, workspace, out))
+    args = fill(bad.args, workspace, out)
+    result = runner.invoke(app, args)
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     assert_one_error_line(result.stderr, bad.says)
+    assert_flags_exist(args, result.stderr)
     assert snapshot(ws) == before
+
+
+def assert_flags_exist(args: list[str], error: str) -> None:
+    """A fix the error line offers names only flags the command has (`spa sft` has no --skip-bad);
+    a flag the user mistyped, which click quotes back, is no offer."""
+    import typer
+
+    command = typer.main.get_command(app)
+    for arg in args:
+        if not hasattr(command, "commands") or arg not in command.commands:
+            break
+        command = command.commands[arg]
+    flags = {"--help"} | {flag for param in command.params for flag in (*param.opts, *param.secondary_opts)}
+    offered = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", error)) - {arg for arg in args if arg.startswith("--")}
+    if "No such option" not in error:
+        assert offered <= flags, (offered - flags, error)
 
 
 # ---- faults of the machine: unreadable, read-only, full ------------------------------------------
@@ -388,7 +433,7 @@ READ_ONLY = [
     case("sft-out-read-only", SFT, "--out", "{locked}/ro/run", says="permission denied or read-only"),
     case("ppo-out-read-only", PPO, "--out", "{locked}/ro/run", says="permission denied or read-only"),
     case("eval-out-read-only", EVAL, "--out", "{locked}/ro/r.json", says="permission denied or read-only"),
-    case("pipeline-dir-read-only", PIPELINE, "--dir", "{locked}/ro/run", says="Permission denied"),
+    case("pipeline-dir-read-only", PIPELINE, "--dir", "{locked}/ro/run", says="permission denied or read-only"),
 ]
 
 

@@ -255,3 +255,25 @@ def test_bad_lines_and_options(tmp_path):
     config.clean.data = str(tmp_path / "missing.jsonl")
     with pytest.raises(UserError, match="does not exist"):
         clean.run(config)
+
+
+def test_no_rows_kept_names_the_filter_that_dropped_everything(tmp_path, capsys):
+    failed = {**A, "success": False}
+    clean.run(config_for(tmp_path, [failed, {**failed, "id": "sokoban-1-9"}], success_only=True))
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "clean: warning: no rows kept; --success-only kept nothing: none of the 2 trajectories succeeded "
+        "(drop --success-only, or generate more episodes)")
+    clean.run(config_for(tmp_path, [C]))  # nothing well-formed
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "clean: warning: no rows kept; the format filter dropped every turn: a model that never writes the format "
+        "gives no data (bootstrap with the random backend, or --set clean.filter_format=false)")
+    clean.run(config_for(tmp_path, [A, C], success_only=True))  # A succeeded: rows kept, no warning
+    assert "no rows kept" not in capsys.readouterr().out
+    config = config_for(tmp_path, [])
+    with open(config.clean.data, "w", encoding="utf-8") as handle:
+        handle.write("{not json\n")
+    config.clean.skip_bad = True
+    clean.run(config)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"clean: warning: no rows kept; every line of {config.clean.data} was unreadable and skipped (--skip-bad); "
+        "check the file")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,251 @@ def test_model_loads_draw_no_tqdm_bars_beside_spa_progress(tiny_model_dir, tmp_p
     assert result.returncode == 0, result.stderr
     assert len(out.read_text().splitlines()) == 1
     assert "Loading weights" not in result.stderr and "it/s]" not in result.stderr, result.stderr
+
+
+# ---- the conveniences: version, completion, defaults in --help, machine-readable output --------------
+
+
+def test_version():
+    from importlib import metadata
+
+    result = invoke("--version")
+    assert (result.exit_code, result.output) == (0, f"spa {metadata.version('spa')}\n")
+
+
+def test_bash_completion_script_completes_commands_and_flags(tmp_path):
+    spa = Path(sys.executable).parent / "spa"
+    script = subprocess.run([spa, "--show-completion", "bash"], capture_output=True, text=True, check=True).stdout
+    assert "complete -o default -F _spa_completion spa" in script
+    (tmp_path / "spa.bash").write_text(script)
+
+    def complete(*words: str) -> list[str]:
+        line = (f'source {tmp_path / "spa.bash"}; COMP_WORDS=({" ".join(words)}); '
+                f'COMP_CWORD={len(words) - 1}; _spa_completion spa; printf "%s\\n" "${{COMPREPLY[@]}}"')
+        env = {**os.environ, "PATH": f"{spa.parent}:{os.environ['PATH']}"}
+        return subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, check=True).stdout.split()
+
+    assert complete("spa", "pl") == ["plot", "play"]
+    assert complete("spa", "generate", "--group") == ["--groups", "--group-size"]
+    assert complete("spa", "eval", "comp") == ["compare"]
+
+
+def commands(group=None, path=()):
+    """Every (path, click command) of the app, sub-commands included."""
+    import typer
+
+    group = group or typer.main.get_command(app)
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield (*path, name), command  # a group with options of its own (eval)
+            yield from commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+NO_DEFAULT = {"help", "version", "install_completion", "show_completion"}
+
+
+def help_records():
+    """(command path, option, help text) for every option of every command."""
+    import typer
+
+    root = typer.main.get_command(app)
+    for path, command in commands():
+        ctx = command.make_context(" ".join(path), [], parent=root.make_context("spa", [], resilient_parsing=True),
+                                   resilient_parsing=True)
+        for param in command.params:
+            if param.param_type_name == "option" and param.name not in NO_DEFAULT:
+                yield path, param, param.get_help_record(ctx)[1]
+
+
+def test_every_flags_help_shows_the_default_it_resolves_to():
+    from spa_cli.main import _shown
+    from stages.common.config import default_of
+
+    seen = 0
+    for path, param, text in help_records():
+        assert "[default: " in text, (path, param.name, text)
+        found = re.search(r"\[default: \((\w+(?:\.\w+)+): (.*)\)\]$", text)
+        if found:  # a shorthand for a config key: the key and its built-in default
+            key, shown = found.groups()
+            assert shown == _shown(default_of(key)), (path, param.name)
+            seen += 1
+    assert seen > 40
+
+
+class Captured(Exception):
+    """Raised by a stage's stand-in with the config the command built."""
+
+
+def other_value(key: str):
+    """A valid value for config key `key` that differs from its default, and the flag's text."""
+    import typing
+
+    from stages.common.config import SPAConfig, default_of
+
+    section, name = key.split(".")
+    hint = typing.get_type_hints(type(getattr(SPAConfig(), section)))[name]
+    default = default_of(key)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return next(a for a in args if a != default)
+    if typing.get_origin(hint) is list:
+        return ["tensorboard"]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, float):
+        return default + 0.5
+    if isinstance(default, int) or int in args:
+        return (default or 2) + 1
+    return f"{default}-other"
+
+
+@pytest.mark.parametrize("stage", ["generate", "clean", "sft", "ppo", "evaluate", "pipeline"])
+def test_each_shorthand_sets_the_config_key_its_help_names(stage, monkeypatch):
+    import importlib
+
+    from stages.common.config import default_of
+
+    module = importlib.import_module(f"stages.{stage}")
+
+    def capture(config, **_):
+        raise Captured(config)
+
+    monkeypatch.setattr(module, "run", capture)
+    command = {"evaluate": ("eval",)}.get(stage, (stage,))
+    for path, param, text in help_records():
+        found = re.search(r"\[default: \((\w+(?:\.\w+)+): .*\)\]$", text)
+        if path != command or not found:
+            continue
+        key = found.group(1)
+        value = other_value(key)
+        if isinstance(value, bool):
+            args = [param.opts[0] if value else param.secondary_opts[0]]
+        else:
+            args = [arg for item in (value if isinstance(value, list) else [value]) for arg in (param.opts[0], str(item))]
+        result = invoke(*command, *args)
+        assert isinstance(result.exception, Captured), (key, result.output)
+        config = result.exception.args[0]
+        got = config
+        for part in key.split("."):
+            got = getattr(got, part)
+        assert got == value != default_of(key), (key, args)
+
+
+def test_envs_as_json_names_every_game():
+    import envs as registry
+
+    result = invoke("envs", "--json")
+    assert result.exit_code == 0
+    games = json.loads(result.output)
+    assert [game["name"] for game in games] == registry.names()
+    sokoban = games[0]
+    assert sokoban == {"name": "sokoban", "gym_id": "spa/Sokoban-v0", "settings": registry.spec("sokoban").kwargs,
+                       "actions": "Up | Down | Left | Right", "max_actions_per_traj": 10,
+                       "summary": registry.spec("sokoban").summary}
+    assert invoke("envs", "--format", "json").output == result.output
+    markdown = invoke("envs", "--format", "markdown").output.splitlines()
+    assert markdown[0] == "| name | gymnasium id | settings | actions / turn budget | what |"
+    assert markdown[2].startswith("| sokoban | spa/Sokoban-v0 | dim=6, num_boxes=1, max_steps=100 | Up \\| Down")
+    assert invoke("envs", "--format", "yaml").stderr == "error: --format must be table, json or markdown, got 'yaml'\n"
+
+
+@pytest.mark.parametrize("columns", ["40", "200"])
+def test_tables_never_cut_a_name_when_redirected_or_narrow(tmp_path, columns):
+    import envs as registry
+
+    reports = []
+    for name in ("a_report_with_a_rather_long_name_that_would_not_fit", "b"):
+        path = tmp_path / "a_directory_with_a_long_name_too" / f"{name}.json"
+        result = invoke("eval", "--backend", "random", "--seeds", "2", "--pass-k", "1", "--out", str(path), "-q")
+        assert result.exit_code == 0, result.output
+        reports.append(str(path))
+    env = {**os.environ, "COLUMNS": columns}
+    for args, names in [(["envs"], [*registry.names(), *(registry.spec(n).gym_id for n in registry.names())]),
+                        (["eval", "compare", *reports], reports)]:
+        with (tmp_path / "out.txt").open("w") as handle:  # redirected: not a terminal
+            subprocess.run([sys.executable, "-m", "spa_cli", *args], stdout=handle, env=env, check=True)
+        text = (tmp_path / "out.txt").read_text()
+        for name in names:
+            assert re.search(rf"│ {re.escape(name)} +│", text), (name, text[:2000])
+        assert "…" not in text
+    assert "(%, as the paper's tables)" in text and "x10^-2" not in text
+
+
+def test_compare_as_json_and_markdown(tmp_path):
+    paths = []
+    for name, seeds in (("a", 3), ("b", 3)):
+        path = tmp_path / f"{name}.json"
+        assert invoke("eval", "--backend", "random", "--seeds", str(seeds), "--pass-k", "2", "--out", str(path),
+                      "-q", "--set", f"rollout.sample_seed={len(paths)}").exit_code == 0
+        paths.append(str(path))
+    from stages.evaluation.reports import compare_rows
+
+    rows = json.loads(json.dumps(compare_rows(paths)))  # tuples as lists, as JSON has them
+    result = invoke("eval", "compare", *paths, "--json")
+    assert result.exit_code == 0 and json.loads(result.output) == rows
+    markdown = invoke("eval", "compare", *paths, "--format", "markdown").output.splitlines()
+    assert markdown[0] == (f"| report | model | Pass@1 | Pass@2 | obs exact | pred exact | obs cells | pred cells | "
+                           f"Pass@1 minus {paths[0]} | Pass@2 minus {paths[0]} |")
+    diff, low, high = rows[1]["pass@1_vs_first"]
+    assert markdown[3].startswith(f"| {paths[1]} | random | {100 * rows[1]['pass@1']:.1f} |")
+    assert markdown[3].endswith(f"| {100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] | "
+                                f"{tables_difference(rows[1]['pass@k_vs_first'])} |")
+
+
+def tables_difference(paired):
+    diff, low, high = (100 * value for value in paired)
+    return f"{diff:+.1f} [{low:+.1f}, {high:+.1f}]"
+
+
+# ---- spa play: any game of the config, and why a move changed nothing --------------------------------
+
+
+def test_play_takes_the_config_so_qa_with_its_file_is_playable(tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": "What is 2 + 2?", "answer": 4}) + "\n")
+    config = tmp_path / "qa.yaml"
+    config.write_text(f"env:\n  name: qa\n  options: {{path: {questions}}}\n")
+    result = invoke("play", "--config", str(config), "--actions", "4")
+    assert result.exit_code == 0, result.output
+    assert result.output == "Question: What is 2 + 2?\n> 4  reward +1\nQuestion: What is 2 + 2?\nAnswer: 4 (correct)\ndone: solved\n"
+    result = invoke("play", "--env", "qa", "--set", f"env.options.path={questions}", "--actions", "5")
+    assert result.exit_code == 0 and "Answer: 5 (wrong)\ndone: failed" in result.output
+    result = invoke("play", "--env", "qa")
+    assert result.exit_code == 2 and result.stderr.startswith("error: ") and "path" in result.stderr
+
+
+def test_play_says_why_a_move_changed_nothing():
+    import envs
+
+    game = envs.make("sudoku")
+    game.reset(seed=1)
+    clue = next((r, c) for r in range(4) for c in range(4) if game.puzzle[r][c])
+    empty = next((r, c) for r in range(4) for c in range(4) if not game.board[r][c])
+    row_values = {v for v in game.board[empty[0]] if v}
+    taken = min(row_values)  # already in the empty cell's row
+    moves = [f"{clue[0] + 1},{clue[1] + 1},1", f"{empty[0] + 1},{empty[1] + 1},{taken}"]
+    result = invoke("play", "--env", "sudoku", "--seed", "1", "--actions", " || ".join(moves))
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith(">")]
+    assert lines[0] == f"> {moves[0]}  reward +0  (no effect: ({clue[0] + 1},{clue[1] + 1}) is a clue)"
+    assert lines[1].startswith(f"> {moves[1]}  reward +0  (no effect: {taken} is already in the row")
+    # Sokoban seed 0: the player at (2,4) under a wall, the box at (2,3) two cells from the left wall
+    result = invoke("play", "--seed", "0", "--actions", "Left || Left || Left || Right || Up || Up")
+    moves = [line for line in result.output.splitlines() if line.startswith(">")]
+    assert moves == ["> Left  reward -0.1", "> Left  reward -0.1",
+                     "> Left  reward -0.1  (no effect: the box cannot move that way)", "> Right  reward -0.1",
+                     "> Up  reward -0.1", "> Up  reward -0.1  (no effect: a wall is in the way)"]
+
+
+def test_readme_and_makefile_agree_on_the_reproductions_duration():
+    root = Path(__file__).resolve().parents[1]
+    readme, makefile = (root / "README.md").read_text(), (root / "Makefile").read_text()
+    duration = r"(\d+ h \d+ min|\d+ hours?|\d+ min)"
+    in_readme = re.findall(rf"repro-cpu[^\n]*?{duration}", readme)
+    in_makefile = re.findall(rf"{duration} on 2 cores", makefile[makefile.index("# A CPU-scale reproduction"):])
+    assert len(in_readme) == 2 and len(in_makefile) == 1
+    assert set(in_readme) == set(in_makefile) == {"2 h 20 min"}
+    minutes = [int(m) for m in re.findall(r"(\d+) min for\s+(?:Sokoban|FrozenLake)", readme)]
+    assert len(minutes) == 2 and round(sum(minutes) / 10) * 10 == 2 * 60 + 20  # the measured runs, rounded

@@ -98,7 +98,8 @@ def test_a_correct_equation_wins_and_ends_the_episode():
     # the answer is final
     obs2, reward, terminated, _, info = env.step("3 + 5")
     assert (obs2, reward, terminated) == (obs, 0.0, True)
-    assert info == {"success": True, "action_is_valid": True, "action_is_effective": False}
+    assert info == {"success": True, "action_is_valid": True, "action_is_effective": False,
+                    "no_effect": "the answer is already given"}
 
 
 def test_not_every_number_has_to_be_used():
@@ -131,7 +132,8 @@ def test_answers_that_break_the_rules_change_nothing(answer):
     env = puzzle()
     obs, reward, terminated, truncated, info = env.step(answer)
     assert (obs, reward, terminated, truncated) == ("Target: 24; numbers: 3, 5, 8, 1", 0.0, False, False)
-    assert info == {"success": False, "action_is_valid": False, "action_is_effective": False}
+    assert info == {"success": False, "action_is_valid": False, "action_is_effective": False,
+                    "no_effect": "not an equation over the given numbers"}
     assert env.step("8 * 3")[1] == 1.0  # a later valid answer still counts
 
 

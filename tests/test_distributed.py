@@ -32,7 +32,7 @@ from stages.training import ppo_samples
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 #: PPO on FrozenLake, one turn, 8 groups x 2 a step, half the groups kept, 2 mini-batches of 4.
 PPO_SETTINGS = [
-    "env.name=frozen_lake", "rollout.prompt_mode=base", "rollout.max_turns=1", "rollout.max_new_tokens=16",
+    "env.name=frozen_lake", "rollout.max_turns=1", "rollout.max_new_tokens=16",
     "rollout.groups=8", "rollout.group_size=2", "rollout.batch_size=2", "ppo.filter_ratio=0.5",
     "ppo.mini_batch=4", "ppo.micro_batch_tokens=800", "ppo.actor_lr=1e-3", "ppo.critic_lr=1e-3",
     "ppo.save_every=1", "ppo.val_every=1", "eval.seeds=2", "eval.pass_k=2", "ppo.zero_stage=2",
@@ -302,8 +302,7 @@ def same_lines(a: Path, b: Path) -> bool:
 def test_eval_over_two_ranks_writes_the_one_process_report(answering_dir, tmp_path):
     """3 seeds over 2 ranks (2 + 1): one report, one trajectory file, as one process writes them."""
     args = ["eval", "--model", str(answering_dir), "--env", "frozen_lake", "--seeds", "3", "--pass-k", "2",
-            *sets(["rollout.prompt_mode=base", "rollout.max_turns=1", "rollout.max_new_tokens=16",
-                   "rollout.batch_size=2"])]
+            *sets(["rollout.max_turns=1", "rollout.max_new_tokens=16", "rollout.batch_size=2"])]
     one, two = tmp_path / "one", tmp_path / "two"
     completed(spa([*args, "--out", str(one / "report.json")], tmp_path))
     result = spa([*args, "--out", str(two / "report.json")], tmp_path, ranks=2)
@@ -319,7 +318,7 @@ def test_eval_over_two_ranks_writes_the_one_process_report(answering_dir, tmp_pa
 
 def test_generate_over_two_ranks_writes_the_one_process_episodes(answering_dir, tmp_path):
     args = ["generate", "--model", str(answering_dir), "--env", "frozen_lake", "--groups", "3", "--group-size",
-            "2", "-q", *sets(["rollout.prompt_mode=base", "rollout.max_turns=2", "rollout.max_new_tokens=16",
+            "2", "-q", *sets(["generate.prompt_mode=base", "rollout.max_turns=2", "rollout.max_new_tokens=16",
                               "rollout.batch_size=2"])]
     completed(spa([*args, "--out", str(tmp_path / "one.jsonl")], tmp_path))
     completed(spa([*args, "--out", str(tmp_path / "two.jsonl")], tmp_path, ranks=2))

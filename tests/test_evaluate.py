@@ -343,7 +343,6 @@ def test_print_report_shows_the_figures(scripted_report):
 
 
 def test_plot_pass_at_k(scripted_report, tmp_path):
-    pytest.importorskip("matplotlib")
     _, report = scripted_report
     path = plots.plot_pass_at_k(report, tmp_path / "plots" / "passk.png")
     assert path.read_bytes().startswith(b"\x89PNG")
@@ -431,8 +430,7 @@ def last_line(result):
 
 
 def test_cli_eval_writes_report_table_and_plot(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
-    monkeypatch.setattr(evaluate, "open_backend", lambda config: (ScriptedBackend(SOLVERS), None, None))
+    monkeypatch.setattr(evaluate, "make_backend", lambda model, rollout: ScriptedBackend(SOLVERS))
     out, plot = tmp_path / "report.json", tmp_path / "passk.png"
     result = cli("eval", "--env", "sokoban", "--seeds", 4, "--n", 4, "--pass-k", 4, "--temperature", 1.0,
                  "--out", out, "--plot", plot, "--quiet")

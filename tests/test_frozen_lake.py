@@ -244,7 +244,8 @@ def test_bumping_the_edge_is_ineffective_and_truncation_at_max_steps():
         _, reward, terminated, truncated, info = env.step("Up")
         assert (reward, terminated) == (0.0, False)
         assert truncated == (step == 3)
-        assert info == {"success": False, "action_is_valid": True, "action_is_effective": False}
+        assert info == {"success": False, "action_is_valid": True, "action_is_effective": False,
+                        "no_effect": "the edge of the lake is in the way"}
     assert env.player == (0, 0)
 
 
@@ -260,7 +261,8 @@ def test_unparseable_action_changes_nothing_and_is_not_counted():
     for text in ("jump", "", "Up Up", "1"):
         obs, reward, terminated, truncated, info = env.step(text)
         assert (obs, reward, terminated, truncated) == (before, 0.0, False, False)
-        assert info == {"success": False, "action_is_valid": False, "action_is_effective": False}
+        assert info == {"success": False, "action_is_valid": False, "action_is_effective": False,
+                        "no_effect": "not an action"}
     assert env.steps == 0
 
 

@@ -305,6 +305,33 @@ def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
     assert rows[5][6] == f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
+def test_the_run_directory_gets_its_training_curves_and_pass_at_k_plots(finished):
+    from helpers import png_size
+
+    run_dir, _ = finished
+    # sft (no validation split): loss, lr; ppo (no validation): reward, success, KL, entropy, clip
+    # fraction, response length -> 8 panels in rows of 3
+    assert png_size(run_dir / "curves.png") == (1440, 3 * 340)
+    assert png_size(run_dir / "pass_at_k.png") == (600, 400)
+
+
+def test_spa_view_of_the_run_directory_holds_its_table_plots_and_eval_episodes(finished, tmp_path):
+    from stages.evaluation import viewer
+
+    run_dir, _ = finished
+    out = tmp_path / "view.html"
+    summary = viewer.write_page(run_dir, out)
+    assert summary == f"{out}: 16 episodes (base, sft, spa, vanilla_ppo), plots; open it in a browser"
+    page = out.read_text()
+    assert page.count('src="data:image/png;base64,') == 2  # curves and Pass@k
+    assert "<td>+ SPA (SFT, then PPO)</td>" in page
+    data = json.loads(page.split('id="spa-data">')[1].split("</script>")[0])  # JSON reads \u003c as <
+    arms = {}
+    for episode in data["episodes"]:
+        arms[episode["arm"]] = arms.get(episode["arm"], 0) + 1
+    assert arms == {"base": 4, "vanilla_ppo": 4, "sft": 4, "spa": 4}
+
+
 def test_a_second_run_skips_every_completed_stage(finished, tiny_model_dir, capsys):
     run_dir, _ = finished
     before = (run_dir / "sft" / "spa" / "final" / "model.safetensors").stat().st_mtime_ns

@@ -103,7 +103,8 @@ def test_an_empty_answer_changes_nothing(questions_file):
     env.reset(seed=0)
     obs, reward, terminated, _, info = env.step("   ")
     assert (obs, reward, terminated) == ("Question: What is 2 + 2?", 0.0, False)
-    assert info == {"success": False, "action_is_valid": False, "action_is_effective": False}
+    assert info == {"success": False, "action_is_valid": False, "action_is_effective": False,
+                    "no_effect": "an empty answer"}
     assert env.parse_action("  ") is None and env.parse_action(" 4 ") == "4"
 
 

@@ -48,7 +48,8 @@ def test_walking_into_a_wall_moves_nothing_but_counts():
     assert obs == before
     assert reward == -0.1
     assert (terminated, truncated) == (False, False)
-    assert info == {"success": False, "action_is_valid": True, "action_is_effective": False}
+    assert info == {"success": False, "action_is_valid": True, "action_is_effective": False,
+                    "no_effect": "a wall is in the way"}
     assert env.num_env_steps == 1
 
 
@@ -156,7 +157,8 @@ def test_text_that_is_not_an_action_changes_nothing(text):
     assert obs == before
     assert reward == 0.0
     assert (terminated, truncated) == (False, False)
-    assert info == {"success": False, "action_is_valid": False, "action_is_effective": False}
+    assert info == {"success": False, "action_is_valid": False, "action_is_effective": False,
+                    "no_effect": "not an action"}
     assert env.num_env_steps == 0
 
 

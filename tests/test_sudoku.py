@@ -166,13 +166,21 @@ def test_conflicting_move_is_valid_but_not_applied():
     before = env.render()
     for move in ("1,1,2", "1,1,3", "1,1,4"):  # 2 and 4 repeat in the row, 3 in the column and box
         obs, reward, terminated, truncated, info = env.step(move)
-        assert (obs, reward, terminated, truncated, info) == (before, 0.0, False, False, INFO_CONFLICT)
+        assert (obs, reward, terminated, truncated, reason(info)) == (before, 0.0, False, False, INFO_CONFLICT)
     # One clue, 1 at (2,2): each kind of conflict on its own (the rules need no solution for this).
     env = custom_env([[0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
-    assert env.step("1,1,1")[4] == INFO_CONFLICT  # box only
-    assert env.step("2,3,1")[4] == INFO_CONFLICT  # row only
-    assert env.step("3,2,1")[4] == INFO_CONFLICT  # column only
+    assert env.step("1,1,1")[4] == INFO_CONFLICT | {"no_effect": "1 is already in the box of (1,1)"}
+    assert env.step("2,3,1")[4] == INFO_CONFLICT | {"no_effect": "1 is already in the row of (2,3)"}
+    assert env.step("3,2,1")[4] == INFO_CONFLICT | {"no_effect": "1 is already in the column of (3,2)"}
     assert env.step("1,3,1")[4] == INFO_WRITTEN  # none of them
+    env.step("1,4,2")
+    assert env.step("2,4,2")[4]["no_effect"] == "2 is already in the column and box of (2,4)"
+
+
+def reason(info: dict) -> dict:
+    """`info` without the words that say why a move changed nothing (checked on their own)."""
+    assert info.get("no_effect")
+    return {key: value for key, value in info.items() if key != "no_effect"}
 
 
 def test_invalid_moves_change_nothing():
@@ -180,8 +188,11 @@ def test_invalid_moves_change_nothing():
     before = env.render()
     for move in ("hello", "", "5,1,1", "1,5,1", "0,1,1", "1,1,0", "1,1,5", "1,2,2", "2,1,3"):
         obs, reward, terminated, truncated, info = env.step(move)
-        assert (obs, reward, terminated, truncated, info) == (before, 0.0, False, False, INFO_INVALID), move
-    assert env.steps == 9  # invalid steps are counted too
+        assert (obs, reward, terminated, truncated, reason(info)) == (before, 0.0, False, False, INFO_INVALID), move
+    assert env.step("hello")[4]["no_effect"] == "not a move (r,c,v)"
+    assert env.step("1,5,1")[4]["no_effect"] == "row, column and value must be 1 to 4"
+    assert env.step("1,2,2")[4]["no_effect"] == "(1,2) is a clue"
+    assert env.steps == 12  # invalid steps are counted too
 
 
 def test_player_filled_cells_can_be_overwritten():

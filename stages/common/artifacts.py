@@ -135,9 +135,14 @@ def _nearly_full(directory: Path) -> bool:
 
 
 def check_writable(path: str | Path) -> None:
-    """Refuse, before any work, an output path that cannot be written: its nearest existing
-    ancestor must be a directory this process may write into."""
+    """Refuse, before any work, an output path that cannot be written as a regular file or
+    directory: an existing device, pipe or socket (a stage would replace /dev/null with its
+    output), a path under a file, or a place where no file can be created: no permission, a
+    read-only filesystem, or a virtual one such as /proc or /sys, which is found out by creating
+    (and removing) an empty hidden file in the nearest existing directory."""
     target = Path(path).absolute()
+    if target.exists() and not (target.is_file() or target.is_dir()):
+        raise UserError(f"{path} is a device or another special file, not a regular file; choose another path")
     existing = target
     while not existing.exists():
         existing = existing.parent
@@ -146,6 +151,13 @@ def check_writable(path: str | Path) -> None:
     directory = existing if existing.is_dir() else existing.parent
     if not os.access(directory, os.W_OK | os.X_OK):
         raise UserError(f"cannot write to {directory} (permission denied or read-only); choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".spa-probe-", suffix=".tmp")
+    except OSError as err:
+        raise UserError(f"cannot create files in {directory} ({err.strerror}; a virtual or read-only "
+                        "filesystem?); choose another path") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def remove_leftovers(directory: str | Path) -> None:
@@ -200,11 +212,13 @@ def read_json(path: str | Path) -> Any:
         raise UserError(f"cannot read {path} as JSON: {err}") from None
 
 
-def read_jsonl(path: str | Path, skip_bad: bool = False, required: tuple[str, ...] = ()) -> tuple[list[dict], int]:
+def read_jsonl(path: str | Path, skip_bad: bool = False, required: tuple[str, ...] = (),
+               fix: str = "fix or delete that line") -> tuple[list[dict], int]:
     """All rows of a JSONL file and the number of bad lines skipped.
 
-    A line that is not a JSON object, or lacks a `required` key, stops with its line number unless
-    `skip_bad` is set, in which case it is counted and skipped. Blank lines are ignored.
+    A line that is not a JSON object, or lacks a `required` key, stops with its line number and
+    `fix` (what the user can do: a caller whose command has a flag to skip such lines names it)
+    unless `skip_bad` is set, in which case it is counted and skipped. Blank lines are ignored.
     """
     path = Path(path)
     if not path.is_file():
@@ -221,7 +235,7 @@ def read_jsonl(path: str | Path, skip_bad: bool = False, required: tuple[str, ..
                 elif skip_bad:
                     bad += 1
                 else:
-                    raise UserError(f"{path}:{number}: {problem} (use --skip-bad to skip such lines)")
+                    raise UserError(f"{path}:{number}: {problem}; {fix}")
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text") from None
     except OSError as err:

@@ -308,6 +308,21 @@ class PipelineConfig(_Section):
 
 
 @dataclass
+class TrackingConfig(_Section):
+    """Where `spa sft` and `spa ppo` (and so `spa pipeline`) also send their per-step figures and
+    their config; `metrics.jsonl` is always written (see stages/common/tracking.py)."""
+
+    #: TRL's `report_to`: ["none"], or any of "tensorboard" (event files in OUT/tensorboard/) and
+    #: "wandb" (a Weights & Biases run in OUT/wandb/). Each is an optional package, imported only
+    #: when named here.
+    report_to: list[Literal["none", "tensorboard", "wandb"]] = field(default_factory=lambda: ["none"])
+    #: "offline": the wandb run is written to disk only (`wandb sync` uploads it later); "online"
+    #: uploads as it goes (needs the network and a wandb login).
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "spa"
+
+
+@dataclass
 class SPAConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -318,6 +333,7 @@ class SPAConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     #: No progress and no status messages (results and errors are still printed).
     quiet: bool = False
 
@@ -489,6 +505,14 @@ def _yaml11_float(key: str, text: str) -> float:
 
 def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
+
+
+def default_of(key: str) -> Any:
+    """The built-in default of a dotted config key: ``default_of("rollout.groups") == 32``."""
+    node: Any = SPAConfig()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def to_dict(config: SPAConfig) -> dict[str, Any]:

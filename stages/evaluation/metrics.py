@@ -8,7 +8,8 @@ Three families:
 
 * **Pass@k** (`pass_at_k`, `mean_pass_at_k`, `pass_at_k_curve`): the unbiased estimator of
   Chen et al. 2021, averaged over puzzles (seeds); `paired_difference` puts a bootstrap
-  interval on the difference between two models evaluated on the same puzzles.
+  interval on the difference between two models evaluated on the same puzzles, `pass_at_k_band`
+  one on each k of a curve.
 * **Episode aggregates** (`episode_metrics`): success rate (= Pass@1), reward, turns, actions,
   action validity and effectiveness, format-valid rate.
 * **World-model accuracy** (`world_model_metrics`): how often the model's ``<observation>`` equals
@@ -19,7 +20,6 @@ Three families:
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -87,19 +87,45 @@ def paired_difference(first: Sequence[Mapping[str, int]], second: Sequence[Mappi
     """Pass@k of `second` minus Pass@k of `first`, with a 95% percentile interval, over the seeds
     both were evaluated on (``None`` when they share none, or a shared seed has fewer than k samples).
 
-    The interval comes from resampling seeds with replacement, the same seeds for both models, so
-    that how hard each puzzle is cancels out of the difference: with 128 puzzles the puzzles drawn,
-    not the samples per puzzle, are most of the noise. Deterministic for a given `seed`.
+    The interval comes from resampling seeds with replacement (`bootstrap`), the same seeds for
+    both models, so that how hard each puzzle is cancels out of the difference: with 128 puzzles
+    the puzzles drawn, not the samples per puzzle, are most of the noise. Deterministic for a
+    given `seed`.
     """
     a = {row["seed"]: (row["n"], row["successes"]) for row in first}
     b = {row["seed"]: (row["n"], row["successes"]) for row in second}
     shared = sorted(a.keys() & b.keys())
     if not shared or min(min(a[s][0], b[s][0]) for s in shared) < k:
         return None
-    diffs = [pass_at_k(*b[s], k) - pass_at_k(*a[s], k) for s in shared]
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(resamples))
-    return sum(diffs) / len(diffs), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    diffs = [[pass_at_k(*b[s], k) - pass_at_k(*a[s], k)] for s in shared]
+    return bootstrap(diffs, resamples=resamples, seed=seed)[0]
+
+
+def pass_at_k_band(per_seed: Sequence[Mapping[str, int]], *, resamples: int = 2_000,
+                   seed: int = 0) -> dict[int, tuple[float, float, float]]:
+    """The Pass@k curve of `pass_at_k_curve` with a 95% interval at every k, from resampling the
+    puzzles (`bootstrap`): ``{k: (Pass@k, low, high)}`` for k from 1 to the smallest n."""
+    if not per_seed:
+        return {}
+    ks = range(1, min(row["n"] for row in per_seed) + 1)
+    table = [[pass_at_k(row["n"], row["successes"], k) for k in ks] for row in per_seed]
+    return dict(zip(ks, bootstrap(table, resamples=resamples, seed=seed)))
+
+
+def bootstrap(table: Sequence[Sequence[float]], *, resamples: int = 10_000,
+              seed: int = 0) -> list[tuple[float, float, float]]:
+    """For a table with one row per puzzle and one column per figure: each column's mean over
+    the puzzles with the 2.5% and 97.5% percentiles of that mean when the puzzles are drawn again
+    with replacement, `resamples` times, the same draw for every column. Deterministic for a
+    given `seed`."""
+    import numpy as np
+
+    values = np.asarray(table, dtype=float)  # (puzzles, figures)
+    puzzles = len(values)
+    draws = np.random.default_rng(seed).multinomial(puzzles, [1 / puzzles] * puzzles, size=resamples)
+    means = np.sort(draws @ values / puzzles, axis=0)  # (resamples, figures), each column sorted
+    low, high = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return [(float(m), float(lo), float(hi)) for m, lo, hi in zip(values.mean(axis=0), low, high)]
 
 
 def per_seed_counts(trajectories: Iterable[Trajectory]) -> list[dict[str, int]]:

@@ -10,35 +10,84 @@ from stages.evaluation import reports
 
 
 def compare(paths: Sequence[str | Path], force: bool = False):
-    """A rich table of several reports side by side, in percent like the paper's Table 2, and a
-    second one with each report's Pass@1 and Pass@k minus the first report's, with 95% intervals
-    over the puzzles."""
+    """`compare_table` of the reports at `paths` (refused when their settings differ, unless `force`)."""
+    return compare_table(reports.compare_rows(paths, force))
+
+
+def compare_table(rows: Sequence[dict[str, Any]]):
+    """A rich table of several reports (`reports.compare_rows`) side by side, in percent like the
+    paper's Table 2, and a second one with each report's Pass@1 and Pass@k minus the first
+    report's, with 95% intervals over the puzzles. Report and model names are never cut
+    (`print_wide`)."""
     from rich.console import Group
     from rich.table import Table
 
-    rows = reports.compare_rows(paths, force)
-    ks = {row["k"] for row in rows}
-    k_header = f"Pass@{ks.pop()}" if len(ks) == 1 else "Pass@k"
+    headers, cells = _compare_cells(rows)
     envs_ = sorted({row["env"] for row in rows})
-    table = Table(title=f"spa eval: {', '.join(envs_)} (x10^-2, as the paper's tables)")
-    headers = ("report", "model", "prompt, states", "Pass@1", k_header, "obs exact", "pred exact", "obs cells",
-               "pred cells")
+    table = Table(title=f"spa eval: {', '.join(envs_)} (%, as the paper's tables)")
     for header in headers:
-        table.add_column(header, justify="left" if header in headers[:3] else "right")
-    for row in rows:
-        k_cell = _percent(row["pass@k"]) + ("" if k_header != "Pass@k" else f" (k={row['k']})")
-        table.add_row(row["report"], row["model"], f"{row['prompt_mode']}, {row['render_mode']}",
-                      _percent(row["pass@1"]), k_cell,
-                      _percent(row["observation_exact"]), _percent(row["prediction_exact"]),
-                      _percent(row["observation_cells"]), _percent(row["prediction_cells"]))
+        name = header in ("report", "model", "prompt, states")
+        table.add_column(header, justify="left" if name else "right", no_wrap=name)
+    for line in cells:
+        table.add_row(*line)
     if len(rows) == 1:
         return table
     differences = Table(title=f"minus {rows[0]['report']} [95% interval, puzzles resampled]")
-    for header in ("report", "Pass@1", k_header):
-        differences.add_column(header, justify="left" if header == "report" else "right")
+    for header in ("report", "Pass@1", headers[4]):
+        differences.add_column(header, justify="left" if header == "report" else "right",
+                               no_wrap=header == "report")
     for row in rows[1:]:
         differences.add_row(row["report"], _difference(row["pass@1_vs_first"]), _difference(row["pass@k_vs_first"]))
     return Group(table, differences)
+
+
+def _compare_cells(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The headers and the cells (percent) of the side-by-side table."""
+    ks = {row["k"] for row in rows}
+    k_header = f"Pass@{next(iter(ks))}" if len(ks) == 1 else "Pass@k"
+    headers = ("report", "model", "prompt, states", "Pass@1", k_header, "obs exact", "pred exact", "obs cells",
+               "pred cells")
+    cells = []
+    for row in rows:
+        k_cell = _percent(row["pass@k"]) + ("" if k_header != "Pass@k" else f" (k={row['k']})")
+        cells.append((row["report"], row["model"], f"{row['prompt_mode']}, {row['render_mode']}",
+                      _percent(row["pass@1"]), k_cell,
+                      _percent(row["observation_exact"]), _percent(row["prediction_exact"]),
+                      _percent(row["observation_cells"]), _percent(row["prediction_cells"])))
+    return headers, cells
+
+
+def compare_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The side-by-side table as Markdown (percent), with the differences to the first report as
+    two more columns (``+1.5 [-2.0, +5.1]``)."""
+    headers, cells = _compare_cells(rows)
+    headers += (f"Pass@1 minus {rows[0]['report']}", f"{headers[4]} minus {rows[0]['report']}")
+    cells = [line + (_difference(row["pass@1_vs_first"]), _difference(row["pass@k_vs_first"]))
+             for line, row in zip(cells, rows)]
+    return markdown_table(headers, cells)
+
+
+def markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A Markdown table; `|` inside a cell is escaped."""
+    def line(values: Sequence[str]) -> str:
+        return "| " + " | ".join(str(v).replace("|", "\\|") for v in values) + " |"
+
+    return "\n".join([line(headers), "|" + "---|" * len(headers), *map(line, cells)]) + "\n"
+
+
+def print_wide(renderable: Any, console: Any) -> None:
+    """Print a table on a rich `console` without cutting its no-wrap columns (names): into a file or
+    a pipe (where rich would assume 80 columns) at its full width, one line a row; on a terminal at
+    least as wide as those columns need, the other columns wrapping to fit."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    needed = Measurement.get(console, console.options.update_width(100_000), renderable)
+    width = max(console.width, needed.minimum) if console.is_terminal else needed.maximum
+    if width != console.width:
+        console = Console(file=console.file, width=width, force_terminal=console.is_terminal,
+                          no_color=console.no_color)
+    console.print(renderable, highlight=False)
 
 
 def _percent(value: float | None) -> str:
