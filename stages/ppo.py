@@ -96,7 +96,8 @@ CONSTANT_LR_STEPS = 2**62
 #: AdamW betas of verl's actor and critic (SPA sets none).
 ADAM_BETAS = (0.9, 0.999)
 #: Settings that may differ between a run and its --resume without changing what is computed.
-RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch_tokens", "gradient_checkpointing"}
+RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch_tokens", "gradient_checkpointing",
+               "pack_groups"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -116,6 +117,11 @@ def check_config(config: SPAConfig) -> None:
         raise UserError("ppo.zero_stage=3 is not supported (the rollouts use the live, unsharded actor); use 0-2")
     if config.model.dtype == "float16":
         raise UserError("ppo trains in float32 or bfloat16; set model.dtype to auto, float32 or bfloat16")
+    if ppo.old_logprobs == "sampler" and (ppo.loss_mask != "assistant" or rollout.top_p < 1
+                                          or config.model.dtype not in ("float32", "auto")):
+        raise UserError("ppo.old_logprobs=sampler needs ppo.loss_mask=assistant (environment tokens have no "
+                        "sampler log-prob), rollout.top_p=1 (the trainer scores the whole vocabulary) and fp32 "
+                        "(in bf16 sampler and trainer round differently); or use ppo.old_logprobs=trainer")
     if ppo.advantage == "grpo" and rollout.group_size < 2:
         raise UserError("ppo.advantage=grpo compares episodes within a group: rollout.group_size must be >= 2")
     kept_groups = algos.groups_to_keep(rollout.groups, ppo.filter_ratio)
@@ -145,6 +151,7 @@ class Models:
     critic_engine: Any | None  # trains ValueModel; None for GRPO
     reference: StepPolicy | None  # frozen copy of the initial actor; None without a KL term
     dist: eng.Dist
+    pack: bool  # a group's episodes in one packed sequence (ppo.pack_groups, where the attention allows)
 
 
 def build_models(config: SPAConfig) -> Models:
@@ -169,7 +176,9 @@ def build_models(config: SPAConfig) -> Models:
 
     actor_engine = engine(StepPolicy(actor, config.rollout.temperature), ppo.actor_lr)
     critic_engine = engine(critic, ppo.critic_lr) if critic is not None else None
-    return Models(actor, tokenizer, actor_engine, critic_engine, reference, dist)
+    # flash-attention 2 takes no 4D mask: packed rows need SDPA or eager attention
+    pack = ppo.pack_groups and actor.config._attn_implementation in ("sdpa", "eager")
+    return Models(actor, tokenizer, actor_engine, critic_engine, reference, dist, pack)
 
 
 def _autocast(engine: Any):
@@ -200,9 +209,10 @@ def update(models: Models, samples: list[Sample], config: SPAConfig, step: int) 
         for start in range(0, len(samples), ppo.mini_batch):  # in order: SPA's shuffle=False
             mini = samples[start:start + ppo.mini_batch]
             tokens = sum(s.steps for s in mini)  # every loss is a token mean over the mini-batch
-            micros = micro_batches(mini, ppo.micro_batch_tokens)
-            for index, micro in enumerate(micros):
-                batch = collate(micro, models.dist.device, pad_id)
+            micros = micro_batches(mini, ppo.micro_batch_tokens, models.pack)
+            for index, rows in enumerate(micros):
+                batch = collate(rows, models.dist.device, pad_id)
+                micro = [sample for row in rows for sample in row]  # collate's order
                 last = index == len(micros) - 1
                 terms = _actor_backward(models, batch, micro, tokens, last, config, step)
                 if models.critic_engine is not None:
@@ -315,7 +325,8 @@ def rollout_stats(episodes: list[Any], kept: list[Any], samples: list[Sample]) -
         "kept_episodes": len(kept),
         "kept_reward": sum(e.total_reward for e in kept) / len(kept),
     }
-    diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples if s.sampler_logprobs is not None]
+    diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples
+             if s.sampler_logprobs is not None and s.old_logprobs is not s.sampler_logprobs]  # none: taken from it
     if diffs:
         stats["logp_diff"] = float(torch.cat(diffs).mean())
     if samples[0].values is not None:
@@ -399,14 +410,21 @@ def run(config: SPAConfig) -> dict[str, Any]:
             # 3. log-probs and values before the update
             models.actor_engine.module.eval()
             with timer("old_logprobs"):
-                score(models.actor_engine, samples, "old_logprobs", ppo.micro_batch_tokens, device, pad_id)
+                if ppo.old_logprobs == "sampler" and all(s.sampler_logprobs is not None for s in samples):
+                    for s in samples:
+                        s.old_logprobs = s.sampler_logprobs
+                else:
+                    score(models.actor_engine, samples, "old_logprobs", ppo.micro_batch_tokens, device, pad_id,
+                          models.pack)
                 if models.reference is not None:
                     with _autocast(models.actor_engine):
-                        score(models.reference, samples, "ref_logprobs", ppo.micro_batch_tokens, device, pad_id)
+                        score(models.reference, samples, "ref_logprobs", ppo.micro_batch_tokens, device, pad_id,
+                              models.pack)
             with timer("values"):
                 if models.critic_engine is not None:
                     models.critic_engine.module.eval()
-                    score(models.critic_engine, samples, "values", ppo.micro_batch_tokens, device, pad_id)
+                    score(models.critic_engine, samples, "values", ppo.micro_batch_tokens, device, pad_id,
+                          models.pack)
             # 4. advantages; 5. update, then hand the new weights to the rollout engine
             compute_advantages(samples, ppo)
             with timer("update"):
