@@ -116,6 +116,8 @@ class RolloutConfig(_Section):
     batch_size: int = setting(64, ge=1)
     #: Seed of the sampler (and of the random backend).
     sample_seed: int = setting(0, ge=0)
+    #: The random backend's actions per turn, [min, max] (a uniform count): RandSFT data; SPA's wrapper plays 3.
+    random_actions: list[int] = field(default_factory=lambda: [3, 3], metadata=_range(ge=1))
     #: vLLM's share of GPU memory (vllm backend only).
     gpu_memory_utilization: float = setting(0.6, gt=0, le=1)
 
