@@ -1,21 +1,31 @@
-"""Seconds per `spa ppo` step, by phase, for SmolLM2-135M on Sokoban (CPU by default), and the
-update phase's tokens/s.
+"""Seconds per `spa ppo` step, by phase, for SmolLM2-135M on Sokoban (CPU by default): today's
+passes beside the cheaper ones, side by side in one run, and the update phase's tokens/s.
 
 A small config (2 groups x 4 episodes, 2 turns of at most 48 new tokens, every group kept, one
-mini-batch, GAE with the critic) runs for `--steps` steps; the first step pays one-off costs
-(DeepSpeed and allocator warm-up) and is left out of the figures, which are medians over the rest.
+mini-batch, GAE with the critic) runs for `--steps` steps per variant; the first step pays
+one-off costs (DeepSpeed and allocator warm-up) and is left out of the figures, which are
+medians over the rest. Variants (`ppo.*` settings):
 
-``update_tokens_per_s`` counts the kept episodes' tokens once per PPO epoch, over the whole update
-phase: a forward and backward pass of the actor AND of the critic, plus both optimizer steps. It
-compares with `spa sft`'s tokens/s (one forward and backward of one model) after dividing by two.
-Both precisions are measured by default: float32, and bfloat16 (fp32 weights under bf16
-autocast, rollouts included), with the hf backend's rollouts; where vLLM is installed, also
-float32 with vLLM's (``rollout.backend=vllm``: the engine starts with the run and its start-up is
-not in any phase; the update phase includes pushing the new weights into it). ``--runs`` picks
-others. Runs share one process, vLLM's last (it changes process-wide state). Prints one JSON object.
+* ``unpacked``: every episode its own sequence in the actor, critic and reference passes, old
+  log-probs from a trainer pass (the passes before `ppo.pack_groups`);
+* ``packed``: a group's episodes in one sequence, their shared first prompt computed once
+  (`ppo.pack_groups`, the default);
+* ``packed_sampler_logprobs``: packed, and the old log-probs taken from the sampler
+  (`ppo.old_logprobs=sampler`; fp32 only);
+* ``packed_vllm``: packed, with vLLM's rollouts (``rollout.backend=vllm``, where vLLM is
+  installed; fp32): the engine starts with the run and its start-up is in no phase; the update
+  phase includes pushing the new weights into it. Its samples are vLLM's, so its step-1 losses
+  are not compared. Runs share one process, vLLM's last (it changes process-wide state).
+
+Every variant plays the same rollouts at step 1 (same seeds, same weights), so its step-1 losses
+must equal the first variant's: their largest relative difference is reported (`step1_max_rel_diff`).
+``update_tokens_per_s`` counts the kept episodes' tokens once per PPO epoch over the whole update
+phase (a forward and backward pass of the actor AND of the critic, plus both optimizer steps); it
+compares with `spa sft`'s tokens/s (one model) after dividing by two. Prints one JSON object.
 """
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -26,11 +36,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PHASES = ("rollout", "old_logprobs", "values", "update")
+VARIANTS = {
+    "unpacked": ["ppo.pack_groups=false"],
+    "packed": ["ppo.pack_groups=true"],
+    "packed_sampler_logprobs": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler"],
+    "packed_vllm": ["ppo.pack_groups=true", "rollout.backend=vllm"],
+}
+#: Variants whose step-1 rollouts are not the hf backend's samples (another sampler): not compared.
+OTHER_SAMPLER = ("packed_vllm",)
+COMPARED = ("pg_loss", "value_loss", "entropy", "ppo_kl")
 
 
-def measure(args: argparse.Namespace, dtype: str, backend: str) -> dict:
-    """Run `spa ppo` for `args.steps` steps in `dtype` with `backend`'s rollouts; the medians over
-    all steps but the first."""
+def measure(args: argparse.Namespace, dtype: str, variant: list[str]) -> tuple[dict, dict]:
+    """Run `spa ppo` for `args.steps` steps; the medians over all steps but the first, and step 1's row."""
     from stages import ppo
     from stages.common.config import load_config
 
@@ -42,23 +60,24 @@ def measure(args: argparse.Namespace, dtype: str, backend: str) -> dict:
             "quiet=true", f"rollout.groups={args.groups}", f"rollout.group_size={args.group_size}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_turns={args.max_turns}",
             f"ppo.steps={args.steps}", "ppo.filter_ratio=1.0", f"ppo.mini_batch={episodes}",
-            "ppo.val_every=0", f"ppo.save_every={args.steps + 1}", f"rollout.backend={backend}",
+            "ppo.val_every=0", f"ppo.save_every={args.steps + 1}", *variant,
         ])
         start = time.perf_counter()
         ppo.run(config)
         wall = time.perf_counter() - start
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = rows[1:] or rows
-    return {
+    figures = {
         "steps_measured": len(measured),
         "seconds_per_step": round(statistics.median(sum(r[f"seconds_{p}"] for p in PHASES) for r in measured), 2),
         **{f"seconds_{p}": round(statistics.median(r[f"seconds_{p}"] for r in measured), 2) for p in PHASES},
         "tokens_per_step": round(statistics.median(r["sequence_length"] * r["kept_episodes"] for r in measured)),
         "sampled_tokens_per_step": round(statistics.median(r["response_length"] * episodes for r in measured)),
         "update_tokens_per_s": round(statistics.median(r["update_tokens_per_s"] for r in measured), 1),
-        "logp_diff": max(r["logp_diff"] for r in rows),
+        "logp_diff": max((r["logp_diff"] for r in rows if r.get("logp_diff") is not None), default=None),
         "wall_s_total": round(wall, 1),
     }
+    return figures, rows[0]
 
 
 def main() -> None:
@@ -70,25 +89,39 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-turns", type=int, default=2)
-    parser.add_argument("--runs", default=None,
-                        help="comma-separated backend:dtype pairs (default hf:float32,hf:bfloat16, and vllm:float32 "
-                             "where vLLM is installed; bfloat16 trains fp32 weights under bf16 autocast)")
+    parser.add_argument("--dtype", action="append", choices=("auto", "float32", "bfloat16"),
+                        help="model.dtype to measure (repeatable; default auto: what this CPU runs faster)")
+    parser.add_argument("--variant", action="append", choices=tuple(VARIANTS),
+                        help="variants to measure (repeatable; default all)")
     args = parser.parse_args()
-    import importlib.util
-
-    default = "hf:float32,hf:bfloat16" + (",vllm:float32" if importlib.util.find_spec("vllm") else "")
-    runs = [run.split(":") for run in (args.runs or default).split(",")]
-    runs.sort(key=lambda run: run[0] == "vllm")  # vLLM last: it changes process-wide state
 
     import torch
+
+    from stages.common.models import pick_dtype
 
     result = {
         "model": args.model, "env": args.env, "device": "cuda" if torch.cuda.is_available() else "cpu",
         "steps": args.steps, "episodes_per_step": args.groups * args.group_size, "max_turns": args.max_turns,
         "max_new_tokens": args.max_new_tokens,
     }
-    for backend, dtype in runs:
-        result[dtype if backend == "hf" else f"{dtype}_{backend}"] = measure(args, dtype, backend)
+    for dtype in args.dtype or ["auto"]:
+        resolved = str(pick_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
+        runs, first_rows = {}, {}
+        for name in args.variant or list(VARIANTS):
+            if name.endswith("sampler_logprobs") and resolved != "float32":
+                continue  # sampler log-probs are for fp32 only
+            if name == "packed_vllm" and (importlib.util.find_spec("vllm") is None or resolved != "float32"):
+                continue  # vLLM rollouts where vLLM is installed, in fp32 (its CPU build's precision here)
+            runs[name], first_rows[name] = measure(args, dtype, VARIANTS[name])
+        base = next(iter(runs))
+        for name, figures in runs.items():
+            figures["speedup_vs_" + base] = round(runs[base]["seconds_per_step"] / figures["seconds_per_step"], 2)
+            if name in OTHER_SAMPLER:
+                continue
+            figures["step1_max_rel_diff"] = max(
+                abs(first_rows[name][key] - first_rows[base][key]) / max(abs(first_rows[base][key]), 1e-12)
+                for key in COMPARED)
+        result[resolved] = runs
     print(json.dumps(result))
 
 

@@ -13,8 +13,12 @@ timed. Prints one JSON object:
   forward, no padding, no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
 * the same in bf16 (`spa_bf16`: `model.dtype=bfloat16`, fp32 weights under bf16 autocast;
   `trl_tuned_bf16`: TRL's `bf16=True`, the same autocast), which is much faster on CPUs with
-  native bf16 matmul;
-* the ratios (target: spa >= 1.3x TRL), each against TRL in the same precision;
+  native bf16 matmul (measured when `model.dtype: auto` picks bf16 on this CPU, or with --bf16);
+* the same on SPA's one-row-per-turn data (`spa_turns`: a trajectory's turn rows merged into one
+  sequence, `sft.merge_turn_rows`; `spa_turns_unmerged`: each row alone; `trl_tuned_turns`), with
+  tokens counted as the rows' tokens for every trainer (spa computes fewer: `computed_tokens_fraction`);
+* the ratios (targets: spa >= 1.3x TRL on trajectory rows, >= 2x on turn rows), each against TRL in
+  the same precision;
 * MFU = 6 x parameters x tokens/s / the matmul FLOP/s measured here in the run's precision (best
   of a 2048^3 matmul, measured before and after the runs, as other work on the machine moves it);
 * the peak RSS of a full fine-tune at 2048 tokens (rows left-truncated to 2048, two optimizer
@@ -55,17 +59,18 @@ TRL_TEMPLATE = (
 # ---- data --------------------------------------------------------------------------------------
 
 
-def make_data(work: Path, rows: int) -> Path:
-    """Sokoban SFT rows from the project's own stages (random actions, true states filled in)."""
-    data = work / "sft.jsonl"
+def make_data(work: Path, rows: int, unit: str = "trajectory") -> Path:
+    """Sokoban SFT rows from the project's own stages (random actions, true states filled in), one
+    per trajectory or (`unit="turn"`, SPA's layout) one per assistant turn."""
+    data = work / f"sft-{unit}.jsonl"
     try:
         from stages import clean, generate
         from stages.common.config import load_config
 
         config = load_config(None, [], {
             "rollout.backend": "random", "rollout.groups": rows, "rollout.group_size": 1,
-            "generate.out": str(work / "traj.jsonl"), "clean.data": str(work / "traj.jsonl"),
-            "clean.out": str(data), "clean.val_fraction": 0.0, "quiet": True})
+            "generate.out": str(work / "traj.jsonl"), "generate.resume": True, "clean.data": str(work / "traj.jsonl"),
+            "clean.out": str(data), "clean.val_fraction": 0.0, "clean.unit": unit, "quiet": True})
         generate.run(config)
         clean.run(config)
         if sum(1 for _ in data.open()) >= rows // 2:
@@ -124,19 +129,22 @@ def matmul_peak(dtype: str = "float32", size: int = 2048, reps: int = 6) -> floa
 
 
 def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int, checkpointing: bool,
-              max_length: int, bf16: bool = False) -> dict:
+              max_length: int, bf16: bool = False, merge: bool = True) -> dict:
     from stages import sft
     from stages.common.config import load_config
 
-    out = Path(work) / f"spa-z{stage}-gc{int(checkpointing)}-{max_length}-bf16{int(bf16)}"
+    out = Path(work) / f"spa-{Path(data).stem}-z{stage}-gc{int(checkpointing)}-{max_length}-bf16{int(bf16)}-m{int(merge)}"
     config = load_config(None, [], {
-        "model.name": MODEL, "model.dtype": "bfloat16" if bf16 else "float32", "sft.data": data, "sft.out": str(out), "sft.global_batch": rows_per_step,
-        "sft.stop_after_steps": steps, "sft.zero_stage": stage, "sft.gradient_checkpointing": checkpointing,
-        "sft.max_length": max_length, "sft.val_data": "", "quiet": True})
+        "model.name": MODEL, "model.dtype": "bfloat16" if bf16 else "float32", "sft.data": data, "sft.out": str(out),
+        "sft.global_batch": rows_per_step, "sft.stop_after_steps": steps, "sft.zero_stage": stage,
+        "sft.gradient_checkpointing": checkpointing, "sft.max_length": max_length, "sft.val_data": "",
+        "sft.merge_turn_rows": merge, "quiet": True})
     sft.run(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:] or rows
-    return rates([(r["tokens"], r["seconds"]) for r in timed]) | {"loss_first_step": rows[0]["loss"]}
+    return rates([(r["tokens"], r["seconds"]) for r in timed]) | {
+        "loss_first_step": rows[0]["loss"],
+        "computed_tokens_fraction": round(sum(r["computed_tokens"] for r in timed) / sum(r["tokens"] for r in timed), 3)}
 
 
 def rates(steps: list[tuple[int, float]]) -> dict:
@@ -172,7 +180,7 @@ def child_trl(data: str, work: str, rows_per_step: int, steps: int, defaults: bo
         options = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": rows_per_step,
                    "gradient_checkpointing": False}
     args = SFTConfig(
-        output_dir=str(Path(work) / f"trl-{defaults}-{bf16}"), learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.95,
+        output_dir=str(Path(work) / f"trl-{Path(data).stem}-{defaults}-{bf16}"), learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.95,
         weight_decay=0.01, lr_scheduler_type="cosine", warmup_steps=0.1, max_grad_norm=1.0,
         max_steps=steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=bf16,
         max_length=2048, assistant_only_loss=True, seed=1, dataloader_num_workers=0,
@@ -226,33 +234,50 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per trainer (the first is untimed)")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-rss", action="store_true")
+    parser.add_argument("--turn-rows-per-step", type=int, default=4,
+                        help="rows per optimizer step on the one-row-per-turn data")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="also measure bf16 (default: when model.dtype auto picks it on this CPU)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child_main(json.loads(args.child))
 
     from stages.common.config import ModelConfig
-    from stages.common.models import load_model, resolve_model
+    from stages.common.models import load_model, pick_dtype, resolve_model
     from stages.training.sft_data import read_rows, tokenize_rows
 
     resolve_model(MODEL)  # convert the bundled model once, outside the timings
     work = Path(tempfile.mkdtemp(prefix="bench-sft-"))
     data = make_data(work, rows=args.rows_per_step * args.steps + 2)
+    turn_data = make_data(work, rows=args.rows_per_step * args.steps + 2, unit="turn")
     model, tokenizer = load_model(ModelConfig(name=MODEL, device="cpu"))
     params = sum(p.numel() for p in model.parameters())
     stats = tokenize_rows(read_rows(data), tokenizer, 2048)[1]
+    turn_stats = tokenize_rows(read_rows(turn_data), tokenizer, 2048)[1]
     del model
+    import torch
 
-    common = {"data": str(data), "work": str(work), "rows_per_step": args.rows_per_step, "steps": args.steps}
+    bf16 = args.bf16 if args.bf16 is not None else pick_dtype("auto", "cpu") == torch.bfloat16
+
+    common = {"work": str(work), "steps": args.steps}
+    rows = {"data": str(data), "rows_per_step": args.rows_per_step}
+    turns = {"data": str(turn_data), "rows_per_step": args.turn_rows_per_step}
     trainers = {
-        "spa": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048}),  # the defaults
-        "spa_plain_torch": ("spa", {"stage": 0, "checkpointing": False, "max_length": 2048}),
-        "spa_bf16": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "bf16": True}),
+        "spa": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, **rows}),  # the defaults
+        "spa_plain_torch": ("spa", {"stage": 0, "checkpointing": False, "max_length": 2048, **rows}),
+        "spa_turns": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, **turns}),
+        "spa_turns_unmerged": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "merge": False,
+                                       **turns}),
     }
+    if bf16:
+        trainers["spa_bf16"] = ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "bf16": True, **rows})
     if not args.skip_trl:
-        trainers["trl_defaults"] = ("trl", {"defaults": True})
-        trainers["trl_tuned"] = ("trl", {"defaults": False})
-        trainers["trl_tuned_bf16"] = ("trl", {"defaults": False, "bf16": True})
+        trainers["trl_defaults"] = ("trl", {"defaults": True, **rows})
+        trainers["trl_tuned"] = ("trl", {"defaults": False, **rows})
+        trainers["trl_tuned_turns"] = ("trl", {"defaults": False, **turns})
+        if bf16:
+            trainers["trl_tuned_bf16"] = ("trl", {"defaults": False, "bf16": True, **rows})
     peaks = [run_child("peak")]
     runs: dict[str, dict] = {}
     for _ in range(args.repeats):  # interleaved, so a busy spell on the machine hits every trainer
@@ -275,14 +300,17 @@ def main() -> None:
         "model": MODEL, "parameters": params, "device": "cpu", "threads": os.cpu_count(),
         "data": {"rows": stats.kept, "mean_tokens": round(stats.tokens / stats.kept),
                  "trained_fraction": round(stats.trained_tokens / stats.tokens, 3)},
-        "rows_per_step": args.rows_per_step, "timed_steps": args.steps - 1, "repeats": args.repeats,
+        "turn_data": {"rows": turn_stats.kept, "mean_tokens": round(turn_stats.tokens / turn_stats.kept),
+                      "trained_fraction": round(turn_stats.trained_tokens / turn_stats.tokens, 3)},
+        "rows_per_step": args.rows_per_step, "turn_rows_per_step": args.turn_rows_per_step,
+        "timed_steps": args.steps - 1, "repeats": args.repeats,
         "matmul_peak_gflops": {dtype: round(flops / 1e9, 1) for dtype, flops in peak.items()},
     }
     for name, run in runs.items():
         result[name] = {**run, "mfu": mfu(name, run["tokens_per_s"])}
     for name in runs:
         if name.startswith("trl"):
-            ours = runs["spa_bf16" if name.endswith("bf16") else "spa"]
+            ours = runs["spa_bf16" if name.endswith("bf16") else "spa_turns" if name.endswith("turns") else "spa"]
             result[f"ratio_vs_{name}"] = round(ours["tokens_per_s"] / runs[name]["tokens_per_s"], 3)
     if rss:
         result["full_finetune_2048_peak_rss_gb"] = rss["peak_rss_gb"]

@@ -130,7 +130,8 @@ CONSTANT_LR_STEPS = 2**62
 #: AdamW betas of verl's actor and critic (SPA sets none).
 ADAM_BETAS = (0.9, 0.999)
 #: Settings that may differ between a run and its --resume without changing what is computed.
-RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch_tokens", "gradient_checkpointing"}
+RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch_tokens", "gradient_checkpointing",
+               "pack_groups"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -154,6 +155,11 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
         raise UserError(f"ppo samples its rollouts: rollout.temperature must be > 0, got {rollout.temperature}")
     if config.model.dtype == "float16":
         raise UserError("ppo trains in float32 or bfloat16; set model.dtype to auto, float32 or bfloat16")
+    if ppo.old_logprobs == "sampler" and (ppo.loss_mask != "assistant" or rollout.top_p < 1
+                                          or config.model.dtype not in ("float32", "auto")):
+        raise UserError("ppo.old_logprobs=sampler needs ppo.loss_mask=assistant (environment tokens have no "
+                        "sampler log-prob), rollout.top_p=1 (the trainer scores the whole vocabulary) and fp32 "
+                        "(in bf16 sampler and trainer round differently); or use ppo.old_logprobs=trainer")
     if ppo.advantage == "grpo" and rollout.group_size < 2:
         raise UserError("ppo.advantage=grpo compares episodes within a group: rollout.group_size must be >= 2")
     kept_groups = algos.groups_to_keep(rollout.groups, ppo.filter_ratio)
@@ -207,6 +213,7 @@ class Models:
     # nothing needs one: vllm rollouts without state perplexity).
     generator: nn.Module | None
     dist: Dist
+    pack: bool  # a group's episodes in one packed sequence (ppo.pack_groups, where the attention allows)
 
 
 def build_models(config: SPAConfig) -> Models:
@@ -235,7 +242,9 @@ def build_models(config: SPAConfig) -> Models:
 
     actor_engine = engine(StepPolicy(actor, config.rollout.temperature), ppo.actor_lr)
     critic_engine = engine(critic, ppo.critic_lr) if critic is not None else None
-    return Models(actor, tokenizer, actor_engine, critic_engine, reference, generator, dist)
+    # flash-attention 2 takes no 4D mask: packed rows need SDPA or eager attention
+    pack = ppo.pack_groups and actor.config._attn_implementation in ("sdpa", "eager")
+    return Models(actor, tokenizer, actor_engine, critic_engine, reference, generator, dist, pack)
 
 
 def _autocast(engine: Any):
@@ -291,9 +300,10 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
         for mini in shares:  # in order: SPA's shuffle=False
             parts = [[samples[i] for i in part] for part in mini]
             tokens = sum(s.steps for part in parts for s in part)  # every loss: a token mean over the WHOLE mini-batch
-            micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank)
-            for index, (micro, weight) in enumerate(micros):
-                batch = collate(micro, dist.device, pad_id)
+            micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
+            for index, (rows, weight) in enumerate(micros):
+                batch = collate(rows, dist.device, pad_id)
+                micro = [sample for row in rows for sample in row]  # collate's order
                 last = index == len(micros) - 1
                 terms = _actor_backward(models, batch, micro, weight, tokens, last, config, step)
                 if models.critic_engine is not None:
@@ -413,11 +423,16 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
     ppo, dist = config.ppo, models.dist
     device, pad_id = dist.device, models.tokenizer.pad_token_id
     parts = [[samples[i] for mini in shares for i in mini[rank]] for rank in range(dist.world)]
-    micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank)
+    micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
     fields = ["old_logprobs"]
     models.actor_engine.module.eval()
     with timer("old_logprobs"):
-        score(models.actor_engine, micros, "old_logprobs", device, pad_id)
+        if ppo.old_logprobs == "sampler" and all(s.sampler_logprobs is not None for s in samples):
+            for sample in samples:  # every rank has every sample's: nothing to exchange
+                sample.old_logprobs = sample.sampler_logprobs
+            fields.remove("old_logprobs")
+        else:
+            score(models.actor_engine, micros, "old_logprobs", device, pad_id)
         if models.reference is not None:
             fields.append("ref_logprobs")
             with _autocast(models.actor_engine):
@@ -482,7 +497,8 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample]) -
         "kept_reward": sum(e.total_reward for e in kept) / len(kept),
         "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
-    diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples if s.sampler_logprobs is not None]
+    diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples
+             if s.sampler_logprobs is not None and s.old_logprobs is not s.sampler_logprobs]  # none: taken from it
     if diffs:
         stats["logp_diff"] = float(torch.cat(diffs).mean())
     if samples[0].values is not None:

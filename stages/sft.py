@@ -55,6 +55,7 @@ from stages.training.sft_data import (
     collate,
     describe,
     epoch_steps,
+    merge_prefix_rows,
     rank_micro_batches,
     read_rows,
     tokenize_rows,
@@ -181,7 +182,7 @@ class _Trainer:
         self.config, self.cfg = config, config.sft
         self.tokenizer, self.train, self.val, self.stats = tokenizer, train, val, stats
         self.run_dir, self.inputs = run_dir, inputs
-        self.lengths = [len(ex) for ex in train]
+        self.sources = [ex.source for ex in train] if self.cfg.merge_turn_rows else None
         self.steps_per_epoch = math.ceil(len(train) / self.cfg.global_batch)
         self.total_steps = self.cfg.epochs * self.steps_per_epoch
 
@@ -234,7 +235,7 @@ class _Trainer:
             while not progress.done:
                 if progress.epoch not in plan:
                     plan[progress.epoch] = epoch_steps(len(self.train), progress.epoch, self.cfg.seed,
-                                                       self.cfg.global_batch)
+                                                       self.cfg.global_batch, self.sources)
                 steps = plan[progress.epoch]
                 row = self._train_step(steps[progress.step], progress)
                 epoch_end = progress.step == len(steps)
@@ -257,14 +258,16 @@ class _Trainer:
 
     def _train_step(self, step_rows: list[int], progress: Progress) -> dict:
         started = time.perf_counter()
-        micro = rank_micro_batches(step_rows, self.lengths, self.dist.rank, self.dist.world,
+        rows = [self.train[r] for r in step_rows]
+        units = merge_prefix_rows(rows) if self.cfg.merge_turn_rows else rows
+        micro = rank_micro_batches(list(range(len(units))), [len(u) for u in units], self.dist.rank, self.dist.world,
                                    self.cfg.micro_batch_tokens, self.pack)
-        trained = sum(self.train[r].trained for r in step_rows)
-        tokens = sum(self.lengths[r] for r in step_rows)
+        trained = sum(row.trained for row in rows)
+        tokens = sum(len(row) for row in rows)  # the rows' tokens, whether or not merged rows share them
         lr, loss_sum = self.engine.lr, 0.0
         self.engine.module.train()
         for i, mb in enumerate(micro):
-            ce = token_ce_sum(self.engine, collate([self.train[r] for r in mb.rows], self.dist.device))
+            ce = token_ce_sum(self.engine, collate([units[u] for u in mb.rows], self.dist.device))
             self.engine.backward(ce * (mb.weight / trained), last=i == len(micro) - 1)
             loss_sum += ce.item() * mb.weight
         grad_norm = self.engine.step()
@@ -276,8 +279,8 @@ class _Trainer:
         progress.train_seconds += seconds
         return {"step": progress.global_step, "epoch": round(progress.epoch + progress.step / self.steps_per_epoch, 4),
                 "loss": loss_sum / trained, "val_loss": None, "lr": lr, "grad_norm": grad_norm,
-                "tokens": tokens, "trained_tokens": trained, "tokens_per_s": round(tokens / seconds, 2),
-                "seconds": round(seconds, 3)}
+                "tokens": tokens, "computed_tokens": sum(len(u) for u in units), "trained_tokens": trained,
+                "tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 3)}
 
     def _evaluate(self) -> float | None:
         """Mean token loss over the validation rows (split over ranks; every rank runs the same

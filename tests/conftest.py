@@ -25,6 +25,18 @@ def pytest_configure(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+@pytest.fixture(autouse=True)
+def float32_for_auto_on_cpu(request, monkeypatch):
+    """`model.dtype: auto` on a CPU is whatever a matmul probe finds faster on the machine; the
+    tests that compare numbers across passes (PPO's log-prob agreement) are written for fp32, so
+    in this process auto means fp32 on every machine. Tests marked `real_dtype_probe` (the probe's
+    own) and spa subprocesses see the real probe."""
+    if "real_dtype_probe" not in request.keywords:
+        from stages.common import models
+
+        monkeypatch.setattr(models, "cpu_auto_dtype", lambda: "float32")
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     """The bundled SmolLM2-135M-Instruct tokenizer (converted once into the cache, ~30 s)."""

@@ -294,10 +294,20 @@ def test_random_backend_texts():
     sokoban = RandomBackend("base", seed=0).generate(random_requests("sokoban", ["a"]), SamplingParams())[0]
     assert sokoban.text.startswith(" I will push the box to the target. </think> <answer> ")
     assert sokoban.text.endswith(" </answer>") and "<observation>" not in sokoban.text
-    sudoku = RandomBackend("base", seed=0, actions_per_turn=2).generate(random_requests("sudoku", ["a"]),
-                                                                         SamplingParams())[0]
+    sudoku = RandomBackend("base", seed=0, actions_per_turn=(2, 2)).generate(random_requests("sudoku", ["a"]),
+                                                                              SamplingParams())[0]
     moves = sudoku.text.split("<answer> ")[1].split(" </answer>")[0].split(" || ")
     assert len(moves) == 2 and all(len(m.split(",")) == 3 for m in moves)
+
+
+def test_random_backend_draws_a_count_between_min_and_max():
+    backend = RandomBackend("world_model", seed=0, actions_per_turn=(1, 5))
+    keys = [f"k{i}" for i in range(200)]
+    counts = [len(c.text.split("<answer> ")[1].split(" </answer>")[0].split(" || "))
+              for c in backend.generate(random_requests("sokoban", keys), SamplingParams())]
+    assert set(counts) == {1, 2, 3, 4, 5}
+    with pytest.raises(UserError, match=r"rollout.random_actions must be \[min, max\]"):
+        RandomBackend("base", actions_per_turn=(3, 2))
 
 
 def test_random_backend_is_deterministic_per_key():

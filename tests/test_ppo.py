@@ -86,7 +86,7 @@ def test_micro_batches_group_by_length_within_the_token_budget():
     samples = [ppo_samples.Sample(torch.zeros(n, dtype=torch.long), *([None] * 6), score=0.0, group=0)
                for n in (5, 3, 9, 4)]
     groups = ppo_samples.micro_batches(samples, token_budget=10)
-    assert [[len(s.ids) for s in group] for group in groups] == [[3, 4], [5], [9]]
+    assert [[len(row[0].ids) for row in group] for group in groups] == [[3, 4], [5], [9]]
     assert [len(g) for g in ppo_samples.micro_batches(samples, token_budget=4)] == [1, 1, 1, 1]  # too long: alone
 
 

@@ -545,3 +545,78 @@ def test_two_processes_under_torchrun_match_one_process(data, tiny_dir, tmp_path
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     assert losses(two) == pytest.approx(losses(one), rel=1e-6)
     assert (two / "final" / "model.safetensors").is_file()
+
+
+# ---- one row per turn, merged ----------------------------------------------------------------------
+
+
+def turn_rows(rng: random.Random, source: str, turns: int) -> list[dict]:
+    """SPA's layout: one row per assistant turn, the chat up to it as context, that turn trained."""
+    messages = conversation(rng, turns)
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    rows = []
+    for t, end in enumerate(assistants):
+        chat = [{**m, "train": i == end} if m["role"] == "assistant" else m for i, m in enumerate(messages[:end + 1])]
+        rows.append({"id": f"{source}-turn{t + 1}", "source_id": source, "messages": chat})
+    return rows
+
+
+def test_epoch_steps_keep_a_trajectorys_rows_together():
+    sources = ["a", "a", "a", "b", "c", "c"]
+    steps = epoch_steps(6, epoch=0, seed=1, global_batch=6, sources=sources)
+    order = steps[0]
+    assert sorted(order) == list(range(6))
+    for source in "abc":
+        rows = [i for i, s in enumerate(sources) if s == source]
+        at = [order.index(i) for i in rows]
+        assert at == list(range(at[0], at[0] + len(rows)))  # contiguous, in turn order
+    # distinct trajectories (one row each): exactly the plain shuffle
+    assert epoch_steps(7, 3, 5, 2, sources=list("abcdefg")) == epoch_steps(7, 3, 5, 2)
+
+
+def test_merged_turn_rows_give_the_same_loss_and_gradients(tokenizer, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from stages.sft import token_ce_sum
+    from stages.training.sft_data import merge_prefix_rows
+
+    rng = random.Random(4)
+    rows = turn_rows(rng, "s0", 3) + turn_rows(rng, "s1", 2)
+    examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
+    merged = merge_prefix_rows(examples)
+    assert len(merged) == 2 and sorted(len(m) for m in merged) == sorted(
+        max(len(e) for e in examples if e.source == s) for s in ("s0", "s1"))
+    assert sum(m.trained for m in merged) == sum(e.trained for e in examples)
+    longest = max(examples, key=len)
+    host = next(m for m in merged if m.source == longest.source)
+    assert host.input_ids == longest.input_ids
+    assert [t for t, c in enumerate(host.mask) if c] == sorted(
+        t for e in examples if e.source == longest.source for t, c in enumerate(e.mask) if c)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+
+    def ce_and_grads(units):
+        model.zero_grad()
+        total = sum(token_ce_sum(model, collate([u], "cpu")) for u in units)
+        total.backward()
+        return total.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    separate, grads_separate = ce_and_grads(examples)
+    together, grads_together = ce_and_grads(merged)
+    assert together == pytest.approx(separate, rel=1e-5)
+    for name, expected in grads_separate.items():  # float sums in another order: 1e-6 of the largest entry
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(grads_together[name], expected, rtol=1e-4, atol=1e-6 * scale, msg=name)
+
+
+def test_turn_rows_train_in_fewer_computed_tokens(tmp_path, tiny_dir):
+    rng = random.Random(5)
+    rows = [row for i in range(4) for row in turn_rows(rng, f"s{i}", 3)]
+    data = tmp_path / "turns.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = sft.run(make_config(data, tiny_dir, tmp_path / "run", epochs=1, global_batch=6))
+    assert run["complete"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["trained_tokens"] for m in metrics) == sum(
+        e.trained for e in tokenize_rows(rows, load_tokenizer(str(tiny_dir)), 2048)[0])
+    assert sum(m["computed_tokens"] for m in metrics) < 0.7 * sum(m["tokens"] for m in metrics)

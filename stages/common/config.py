@@ -124,6 +124,8 @@ class RolloutConfig(_Section):
     batch_size: int = setting(64, ge=1)
     #: Seed of the sampler (and of the random backend).
     sample_seed: int = setting(0, ge=0)
+    #: The random backend's actions per turn, [min, max] (a uniform count): RandSFT data; SPA's wrapper plays 3.
+    random_actions: list[int] = field(default_factory=lambda: [3, 3], metadata=_range(ge=1))
     #: vLLM's share of the GPU's memory: weights, activations and KV cache (vllm backend on a GPU).
     gpu_memory_utilization: float = setting(0.6, gt=0, le=1)
     #: GiB of vLLM's KV cache (vllm backend); null: on a GPU what gpu_memory_utilization leaves, on a
@@ -185,6 +187,10 @@ class SFTConfig(_Section):
     state_text: Literal["trained", "masked", "untrained"] = "trained"
     #: Pack several rows into one micro-batch; null: only with flash-attention 2 (see stages/training/sft_data.py).
     packing: bool | None = None
+    #: One row per turn (`clean.unit: turn`): keep a trajectory's rows in one optimizer step and compute
+    #: them as one sequence, each turn's loss from the longest row (the same loss terms, at the cost of one
+    #: row per trajectory). false: the rows are shuffled one by one (SPA's order), each computed alone.
+    merge_turn_rows: bool = True
     #: LoRA rank; 0 is a full fine-tune.
     lora_rank: int = setting(0, ge=0)
     lora_alpha: int = setting(64, ge=1)
@@ -252,6 +258,14 @@ class PPOConfig(_Section):
     loss_mask: Literal["assistant", "all"] = "assistant"
     #: Padded tokens of one forward/backward (episodes are grouped up to it); bounds memory.
     micro_batch_tokens: int = setting(4096, ge=1)
+    #: Compute the first prompt a group's episodes share once per group, in one packed sequence per
+    #: group (stages/training/ppo_samples.py); the same losses and gradients. SDPA/eager attention
+    #: only: with flash-attention 2 the episodes are passed unpacked.
+    pack_groups: bool = True
+    #: Where the old log-probs of the ratio come from: "trainer" (a no-grad pass of the actor, and
+    #: the logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout's own, which
+    #: saves that pass; fp32 only, with top_p 1 and the assistant loss mask, where they agree).
+    old_logprobs: Literal["trainer", "sampler"] = "trainer"
     weight_decay: float = setting(0.01, ge=0)
     grad_clip: float = setting(1.0, ge=0)
     #: 0: plain torch; 1-2: DeepSpeed ZeRO (CPU or CUDA). 3 is refused: rollouts need the whole actor.

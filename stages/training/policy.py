@@ -6,7 +6,8 @@
   value head.
 
 Both run their heads only at the requested positions (``rows``, ``cols``), so prompt and
-environment tokens cost no vocabulary projection.
+environment tokens cost no vocabulary projection, and take ``position_ids`` with a 4D attention
+mask for packed rows (`stages.training.ppo_samples.pack_row`).
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ class StepPolicy(nn.Module):
         self.plain_head = _head_is_plain(causal_lm)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False):
+                cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
+                position_ids: torch.Tensor | None = None):
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "use_cache": False}
         if self.plain_head:
-            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                        use_cache=False).last_hidden_state
+            hidden = self.lm.base_model(**inputs).last_hidden_state
             logits = self.lm.get_output_embeddings()(hidden[rows, cols])
         else:
-            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[rows, cols]
+            logits = self.lm(**inputs).logits[rows, cols]
         logits = logits.float() / self.temperature
         entropy = algos.entropy_from_logits(logits) if with_entropy else None
         return algos.logprobs_from_logits(logits, targets), entropy
@@ -61,8 +64,9 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+                cols: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False).last_hidden_state
         return self.value_head(hidden[rows, cols]).squeeze(-1).float()
 
 

@@ -6,10 +6,17 @@ fill in old log-probs, values, advantages and returns. Samples are grouped into 
 bounded padded size (`micro_batches`) and collated into right-padded tensors (`collate`); every
 loss is a sum over steps divided by the mini-batch's step count, so the grouping never changes it.
 
+Packing (`ppo.pack_groups`): the episodes of a group play one puzzle, so they share their first
+prompt (system prompt, instruction, first state: most of a one-turn episode's tokens). Their
+samples then go into one sequence, the shared prefix once and each episode's own tokens after it,
+with an attention mask and position ids that give every token exactly its own episode's context
+(`pack_row`): the actor's, critic's and reference's passes compute the prefix once per group
+instead of once per episode, and their outputs and gradients are those of the unpacked samples.
+
 Over several ranks (`rank_shares`, `rank_micro_batches`) each mini-batch is split into equal
-parts, one per rank, balanced by tokens; every rank makes the same number of passes (fillers of
-weight 0 where its part needs fewer), since ZeRO's collectives run in every backward (and, under
-ZeRO-3, in every forward).
+parts, one per rank, balanced by tokens (packing joins the group-mates within a part); every rank
+makes the same number of passes (fillers of weight 0 where its part needs fewer), since ZeRO's
+collectives run in every backward (and, under ZeRO-3, in every forward).
 """
 
 from __future__ import annotations
@@ -118,31 +125,122 @@ def unpad(samples: list[Sample], field: str, values: torch.Tensor) -> None:
         setattr(sample, field, values[row, : sample.steps].clone())
 
 
-def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
-    """Groups of samples whose padded size (rows x longest) fits ``token_budget``; a sample longer
-    than the budget goes alone. Samples are grouped by length (shortest first) so that little
-    compute goes to padding; every loss is a sum over tokens, so the grouping never changes it."""
-    batches: list[list[Sample]] = []
-    current: list[Sample] = []
-    for sample in sorted(samples, key=lambda s: len(s.ids)):  # sorted() is stable: deterministic
-        if current and len(sample.ids) * (len(current) + 1) > token_budget:
+def micro_batches(samples: list[Sample], token_budget: int, pack: bool = False) -> list[list[list[Sample]]]:
+    """The passes over `samples`: micro-batches of rows, each row a list of samples.
+
+    Without `pack` every row is one sample. With `pack` the samples of one group share a row
+    (`pack_row`): their first prompt, the same for the whole group, is computed once. A row's cost
+    is its packed length; rows are grouped by length (shortest first) so that little compute goes
+    to padding, and a micro-batch's padded size (rows x longest) stays within ``token_budget`` (a
+    group too long for it is split over several rows; one sample longer than it goes alone). Every
+    loss is a sum over tokens, so neither the packing nor the grouping changes it.
+    """
+    rows: list[list[Sample]] = []
+    for group in _groups(samples) if pack else [[sample] for sample in samples]:
+        row: list[Sample] = []
+        for sample in group:
+            if row and packed_length([*row, sample]) > token_budget:
+                rows.append(row)
+                row = []
+            row.append(sample)
+        rows.append(row)
+    batches: list[list[list[Sample]]] = []
+    current: list[list[Sample]] = []
+    for row in sorted(rows, key=packed_length):  # sorted() is stable: deterministic
+        if current and packed_length(row) * (len(current) + 1) > token_budget:
             batches.append(current)
             current = []
-        current.append(sample)
+        current.append(row)
     if current:
         batches.append(current)
     return batches
 
 
-def collate(samples: list[Sample], device: Any, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ids and attention mask, and for every step its row, the position that predicts
-    it (``cols``) and its token (``targets``)."""
-    ids = nn.utils.rnn.pad_sequence([s.ids for s in samples], batch_first=True, padding_value=pad_id)
-    attention = nn.utils.rnn.pad_sequence([torch.ones_like(s.ids) for s in samples], batch_first=True)
-    rows = torch.cat([torch.full_like(s.positions, i) for i, s in enumerate(samples)])
-    positions = torch.cat([s.positions for s in samples])
-    return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "rows": rows.to(device),
-            "cols": (positions - 1).to(device), "targets": ids[rows, positions].to(device)}
+def _groups(samples: list[Sample]) -> list[list[Sample]]:
+    by_group: dict[int, list[Sample]] = {}
+    for sample in samples:
+        by_group.setdefault(sample.group, []).append(sample)
+    return list(by_group.values())
+
+
+def shared_prefix(row: list[Sample]) -> int:
+    """How many leading tokens every sample of a row shares (0 for one sample), leaving each at
+    least one token of its own."""
+    if len(row) == 1:
+        return 0
+    first = row[0].ids.tolist()
+    shared = min(len(s.ids) for s in row) - 1
+    for sample in row[1:]:
+        shared = min(shared, common_prefix_len(first, sample.ids.tolist()))
+    return shared
+
+
+def packed_length(row: list[Sample]) -> int:
+    shared = shared_prefix(row)
+    return shared + sum(len(s.ids) - shared for s in row)
+
+
+def pack_row(row: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One sequence for the samples of `row`: the shared prefix once, then each sample's own tokens.
+
+    Returns the token ids ``[T]``, the position ids ``[T]`` (each sample's tokens continue the
+    prefix's positions, as in its own sequence), the attention mask ``[T, T]`` (True: may attend;
+    the prefix is causal, each sample's tokens see the prefix and their own earlier tokens, never
+    another sample's), and per sample the row index of each of its tokens. Every token therefore
+    has exactly the context and position it has in its own sequence, so the outputs are those of
+    the unpacked samples.
+    """
+    shared = shared_prefix(row)
+    ids = [row[0].ids[:shared]]
+    where, offset = [], shared
+    for sample in row:
+        own = len(sample.ids) - shared
+        ids.append(sample.ids[shared:])
+        where.append(torch.cat([torch.arange(shared), torch.arange(offset, offset + own)]))
+        offset += own
+    total = offset
+    positions = torch.zeros(total, dtype=torch.long)
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    for index in where:
+        positions[index] = torch.arange(len(index))
+        mask[index[:, None], index[None, :]] = torch.ones(len(index), len(index), dtype=torch.bool).tril()
+    return torch.cat(ids), positions, mask, where
+
+
+def collate(rows: list[list[Sample]], device: Any, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ids with their attention mask (2D when every row is one sample, else the 4D
+    mask of `pack_row`) and position ids, and for every step, in row then sample order, its row,
+    the index that predicts it (``cols``) and its token (``targets``)."""
+    if all(len(row) == 1 for row in rows):
+        samples = [row[0] for row in rows]
+        ids = nn.utils.rnn.pad_sequence([s.ids for s in samples], batch_first=True, padding_value=pad_id)
+        attention = nn.utils.rnn.pad_sequence([torch.ones_like(s.ids) for s in samples], batch_first=True)
+        row_of = torch.cat([torch.full_like(s.positions, i) for i, s in enumerate(samples)])
+        positions = torch.cat([s.positions for s in samples])
+        return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "rows": row_of.to(device),
+                "cols": (positions - 1).to(device), "targets": ids[row_of, positions].to(device)}
+    packed = [pack_row(row) for row in rows]
+    width = max(len(ids) for ids, _, _, _ in packed)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attention = torch.zeros((len(rows), 1, width, width), dtype=torch.bool)
+    row_of, cols, targets = [], [], []
+    for r, ((row_ids, row_positions, mask, where), row) in enumerate(zip(packed, rows, strict=True)):
+        length = len(row_ids)
+        ids[r, :length], position_ids[r, :length], attention[r, 0, :length, :length] = row_ids, row_positions, mask
+        attention[r, 0, length:, 0] = True  # padding rows attend to something: no all-masked softmax
+        for sample, index in zip(row, where, strict=True):
+            row_of.append(torch.full_like(sample.positions, r))
+            cols.append(index[sample.positions - 1])
+            targets.append(sample.ids[sample.positions])
+    return {"input_ids": ids.to(device), "attention_mask": attention.to(device),
+            "position_ids": position_ids.to(device), "rows": torch.cat(row_of).to(device),
+            "cols": torch.cat(cols).to(device), "targets": torch.cat(targets).to(device)}
+
+
+def step_count(rows: list[list[Sample]]) -> list[int]:
+    """The steps of each sample of a micro-batch, in `collate`'s order (to split its outputs)."""
+    return [sample.steps for row in rows for sample in row]
 
 
 def flat(samples: list[Sample], field: str, device: Any) -> torch.Tensor:
@@ -171,20 +269,22 @@ def rank_shares(samples: list[Sample], mini_batch: int, world: int) -> list[list
     return shares
 
 
-def rank_micro_batches(parts: list[list[Sample]], token_budget: int, rank: int) -> list[tuple[list[Sample], float]]:
-    """Rank `rank`'s micro-batches of ``parts[rank]`` as (samples, weight 1.0), then fillers (its
-    first micro-batch again, weight 0.0) up to the most micro-batches any rank has: every rank
-    makes the same number of passes."""
-    plans = [micro_batches(part, token_budget) for part in parts]
+def rank_micro_batches(parts: list[list[Sample]], token_budget: int, rank: int,
+                       pack: bool = False) -> list[tuple[list[list[Sample]], float]]:
+    """Rank `rank`'s micro-batches (`micro_batches`: rows of samples) of ``parts[rank]`` as (rows,
+    weight 1.0), then fillers (its first micro-batch again, weight 0.0) up to the most
+    micro-batches any rank has: every rank makes the same number of passes."""
+    plans = [micro_batches(part, token_budget, pack) for part in parts]
     mine = plans[rank]
     return [(micro, 1.0) for micro in mine] + [(mine[0], 0.0)] * (max(len(p) for p in plans) - len(mine))
 
 
 @torch.no_grad()
-def score(forward: Any, micros: list[tuple[list[Sample], float]], field: str, device: Any, pad_id: int) -> None:
-    """Fill ``field`` of every sample of `micros` (from `rank_micro_batches`) with ``forward``'s
-    output at its steps: log-probs from a policy, values from the critic (which takes no
-    ``targets``). Fillers (weight 0) run and are discarded."""
+def score(forward: Any, micros: list[tuple[list[list[Sample]], float]], field: str, device: Any,
+          pad_id: int) -> None:
+    """Fill ``field`` of every sample of `micros` (from `rank_micro_batches`: micro-batches of
+    rows) with ``forward``'s output at its steps: log-probs from a policy, values from the critic
+    (which takes no ``targets``). Fillers (weight 0) run and are discarded."""
     for micro, weight in micros:
         batch = collate(micro, device, pad_id)
         if field == "values":
@@ -193,7 +293,8 @@ def score(forward: Any, micros: list[tuple[list[Sample], float]], field: str, de
         out = out[0] if isinstance(out, tuple) else out
         if weight == 0:
             continue
-        for sample, part in zip(micro, out.float().cpu().split([s.steps for s in micro]), strict=True):
+        ordered = [sample for row in micro for sample in row]
+        for sample, part in zip(ordered, out.float().cpu().split(step_count(micro)), strict=True):
             setattr(sample, field, part)
 
 

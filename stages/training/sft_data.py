@@ -68,12 +68,14 @@ MASK_PLACEHOLDER = "[MASKED]"
 
 @dataclass
 class Example:
-    """One tokenized row. `mask[t] == 1` means token t is a training target (predicted from t-1)."""
+    """One tokenized row. `mask[t] > 0` means token t is a training target (predicted from t-1);
+    a merged row (`merge_prefix_rows`) counts a token once per row that trains it."""
 
     id: str
     input_ids: list[int]
     mask: list[int]
     truncated: int = 0  # tokens cut from the left
+    source: str = ""  # the trajectory the row comes from (`source_id`); its turn rows share prefixes
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -282,6 +284,7 @@ def tokenize_rows(rows: list[dict], tokenizer, max_length: int, state_text: str 
     for index, row in enumerate(rows):
         rid = row_id(row, index)
         example = tokenize_row(tokenizer, row["messages"], max_length, state_text, row=rid)
+        example.source = str(row.get("source_id", rid))
         if example.trained == 0:
             stats.dropped_empty += 1
             stats.dropped_ids.append(rid)
@@ -304,12 +307,44 @@ class MicroBatch:
     weight: float = 1.0  # 0 for a filler that keeps ranks in step (its loss is multiplied by 0)
 
 
-def epoch_steps(n_rows: int, epoch: int, seed: int, global_batch: int) -> list[list[int]]:
+def epoch_steps(n_rows: int, epoch: int, seed: int, global_batch: int,
+                sources: list[str] | None = None) -> list[list[int]]:
     """Row indices of every optimizer step of one epoch: a seeded shuffle cut into global batches
-    (the last one may be smaller). A pure function of (seed, epoch), so resume needs no RNG state."""
-    order = list(range(n_rows))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    (the last one may be smaller). A pure function of (seed, epoch), so resume needs no RNG state.
+
+    With `sources` (each row's trajectory), the trajectories are shuffled and each one's rows stay
+    together, in order, so that a trajectory's turn rows mostly land in one step, where
+    `merge_prefix_rows` computes them as one sequence; rows of distinct trajectories come out in
+    the same order as the plain shuffle."""
+    if sources is None:
+        order = list(range(n_rows))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    else:
+        rows_of: dict[str, list[int]] = {}
+        for index, source in enumerate(sources):
+            rows_of.setdefault(source, []).append(index)
+        groups = list(rows_of.values())
+        random.Random(seed * 1_000_003 + epoch).shuffle(groups)
+        order = [index for group in groups for index in group]
     return [order[i:i + global_batch] for i in range(0, n_rows, global_batch)]
+
+
+def merge_prefix_rows(examples: list[Example]) -> list[Example]:
+    """The rows of one step with every row whose tokens begin another row of its trajectory merged
+    into that longer row: one sequence, both rows' trained tokens. A turn row's context is the
+    trajectory up to that turn, so turn k's row is the beginning of turn k+1's: computing the
+    longest row once gives every turn's loss, token for token, at the cost of one row."""
+    merged: list[Example] = []
+    for example in sorted(examples, key=len, reverse=True):
+        host = next((m for m in merged if m.source == example.source and len(m) >= len(example)
+                     and m.input_ids[:len(example)] == example.input_ids), None)
+        if host is None:
+            merged.append(Example(example.id, list(example.input_ids), list(example.mask), example.truncated,
+                                  example.source))
+        else:
+            for t, count in enumerate(example.mask):
+                host.mask[t] += count
+    return merged
 
 
 def rank_micro_batches(step_rows: list[int], lengths: list[int], rank: int, world: int,
@@ -354,8 +389,9 @@ def collate(examples: list[Example], device="cpu") -> dict:
     for ex in examples:
         ids.extend(ex.input_ids)
         positions.extend(range(len(ex)))
-        # mask[0] is always 0, so a target never crosses into the next packed row
-        trained = [t for t in range(1, len(ex)) if ex.mask[t]]
+        # mask[0] is always 0, so a target never crosses into the next packed row; a token trained
+        # by several merged rows is a target once per row
+        trained = [t for t in range(1, len(ex)) for _ in range(ex.mask[t])]
         keep.extend(offset + t - 1 for t in trained)
         targets.extend(ex.input_ids[t] for t in trained)
         offset += len(ex)

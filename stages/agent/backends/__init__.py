@@ -49,7 +49,7 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, prompt_mo
     if kind == "random":
         from stages.agent.backends.random import RandomBackend
 
-        return RandomBackend(prompt_mode, rollout.sample_seed, actions_per_turn=3)
+        return RandomBackend(prompt_mode, rollout.sample_seed, tuple(rollout.random_actions))
     from stages.common.models import load_model, load_tokenizer, resolve_model
 
     path = resolve_model(model_config.name)

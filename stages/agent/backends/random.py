@@ -1,7 +1,8 @@
 """The paper's random-action baseline: no model, random actions wrapped in the response format.
 
 Each completion is what follows the generation prefix ``<think>``: fixed reasoning text and
-``actions_per_turn`` actions drawn by the game's own ``sample_action``. In world-model mode the
+``rollout.random_actions`` = [min, max] actions (a uniform count; SPA's wrapper plays 3) drawn by
+the game's own ``sample_action``. In world-model mode the
 ``<observation>`` and ``<prediction>`` tags are left empty; ``spa clean`` fills them with the true
 states, which turns these episodes into the paper's RandSFT data.
 
@@ -32,14 +33,15 @@ class RandomBackend:
     tokenizer = None  # text only
     model = None  # no Hugging Face model in this process
 
-    def __init__(self, prompt_mode: str, seed: int = 0, actions_per_turn: int = 3):
+    def __init__(self, prompt_mode: str, seed: int = 0, actions_per_turn: tuple[int, int] = (3, 3)):
         if prompt_mode not in PROMPT_MODES:
             raise UserError(f"prompt_mode must be one of {', '.join(PROMPT_MODES)}, got {prompt_mode!r}")
-        if actions_per_turn < 1:
-            raise UserError(f"the random backend needs at least 1 action per turn, got {actions_per_turn}")
+        low, high = actions_per_turn
+        if not 1 <= low <= high:
+            raise UserError(f"rollout.random_actions must be [min, max] with 1 <= min <= max, got {[low, high]}")
         self.prompt_mode = prompt_mode
         self.seed = seed
-        self.actions_per_turn = actions_per_turn
+        self.actions_per_turn = (low, high)
         self._turns: dict[str, int] = {}  # calls seen per key, so each turn draws fresh actions
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
@@ -59,7 +61,9 @@ class RandomBackend:
         turn = self._turns.get(request.key, 0)
         self._turns[request.key] = turn + 1
         rng = random.Random(stable_seed(self.seed, request.key, turn))
-        actions = " || ".join(env.sample_action(rng) for _ in range(self.actions_per_turn))
+        low, high = self.actions_per_turn
+        count = low if low == high else rng.randint(low, high)  # one draw fewer keeps fixed counts' actions as before
+        actions = " || ".join(env.sample_action(rng) for _ in range(count))
         reason = REASONS.get(env.name, DEFAULT_REASON)
         if self.prompt_mode == "world_model":
             think = f" <observation></observation> {reason} <prediction></prediction>"

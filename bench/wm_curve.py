@@ -1,0 +1,145 @@
+"""How good a world model does RandSFT make on a CPU, for its cost? One point of the curve a run.
+
+A point is: `--games` RandSFT games (random actions, `--actions MIN MAX` a turn, up to `--turns`
+turns, the true states filled in by `spa clean`, one row per `--unit`), world-model SFT of the
+bundled model for `--epochs` epochs, then the world-model accuracy of each epoch's checkpoint on
+unseen rooms (one sample each, the world-model prompt): well-formed turns,
+exact observations, exact predictions and prediction cells, with the SFT's wall time and tokens.
+The rooms measured are tuning rooms (seeds 20000.. by default): unseen in training, and not the
+eval seeds 123.. that the reported results use, so that choosing configs from this curve tunes
+nothing on the eval set.
+`--from-model` starts the SFT from another checkpoint and `--self-play` makes the data by letting
+that model play (the paper's data source, once the model writes the format) instead of random
+actions.
+
+Each run appends one JSON line per evaluated epoch to `--results` (default
+bench/wm_curve.jsonl) and prints it; `--plot` draws every line of that file as accuracy against
+SFT minutes. Not part of `make bench` (one point takes from minutes to hours on two cores):
+
+    python bench/wm_curve.py --env sokoban --games 64 --epochs 3 --actions 1 1
+    python bench/wm_curve.py --plot bench/wm_curve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_RESULTS = ROOT / "bench" / "wm_curve.jsonl"
+
+
+def run_point(args: argparse.Namespace) -> list[dict]:
+    from stages import clean, evaluate, generate, sft
+    from stages.common.config import load_config
+
+    name = args.name or (f"{args.env}-g{args.games}-a{args.actions[0]}-{args.actions[1]}-t{args.turns}-{args.unit}"
+                         f"-e{args.epochs}" + ("-selfplay" if args.self_play else ""))
+    work = Path(args.work) / name
+    common = [f"env.name={args.env}", f"model.dtype={args.dtype}", "quiet=true",
+              f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={args.max_new_tokens}"]
+    data = load_config(None, [
+        *common, f"model.name={args.from_model}", f"rollout.backend={'hf' if args.self_play else 'random'}",
+        f"rollout.random_actions=[{args.actions[0]},{args.actions[1]}]", f"rollout.groups={args.games}",
+        "rollout.group_size=1", f"rollout.seed={args.train_seed}", f"generate.out={work}/trajectories.jsonl",
+        "generate.resume=true", f"clean.data={work}/trajectories.jsonl", f"clean.out={work}/sft.jsonl",
+        f"clean.unit={args.unit}", "clean.val_fraction=0",
+    ])
+    generate.run(data)
+    cleaned = clean.run(data)
+    started = time.perf_counter()
+    trained = sft.run(load_config(None, [
+        *common, f"model.name={args.from_model}", f"sft.data={work}/sft.jsonl", f"sft.out={work}/sft",
+        f"sft.epochs={args.epochs}", f"sft.global_batch={args.global_batch}", f"sft.lr={args.lr}", "sft.resume=true",
+    ]))
+    sft_seconds = time.perf_counter() - started
+    metrics = [json.loads(line) for line in (work / "sft" / "metrics.jsonl").read_text().splitlines()]
+    points = []
+    for epoch in sorted(set(args.eval_epochs or [args.epochs])):
+        checkpoint = work / "sft" / f"epoch-{epoch}"
+        report = evaluate.run(load_config(None, [
+            *common, f"model.name={checkpoint}", "eval.prompt_mode=world_model", f"eval.seeds={args.eval_seeds}",
+            f"eval.first_seed={args.tuning_seed}",
+            "eval.pass_k=1", f"eval.out={work}/eval/epoch-{epoch}.json", "eval.resume=true",
+        ]))
+        wm, figures = report["metrics"]["world_model"], report["metrics"]
+        upto = [m for m in metrics if m["epoch"] <= epoch]
+        point = {
+            "name": name, "env": args.env, "games": args.games, "actions": list(args.actions), "turns": args.turns,
+            "unit": args.unit, "self_play": args.self_play, "from_model": args.from_model, "epoch": epoch,
+            "epochs": args.epochs, "rows": cleaned["train_rows"], "lr": args.lr, "global_batch": args.global_batch,
+            "sft_tokens": sum(m["tokens"] for m in upto), "sft_computed_tokens": sum(m.get("computed_tokens", m["tokens"])
+                                                                                   for m in upto),
+            "sft_seconds": round(sum(m["seconds"] for m in upto), 1), "sft_wall_s": round(sft_seconds, 1),
+            "train_loss": upto[-1]["loss"], "format_valid": figures["format_valid_rate"],
+            "observation_exact": wm["observation"]["exact_match"], "prediction_exact": wm["prediction"]["exact_match"],
+            "prediction_cells": wm["prediction"]["cell_accuracy"], "observation_cells": wm["observation"]["cell_accuracy"],
+            "success": figures["pass@1"], "eval_turns": sum(t["turns"] for t in wm["per_turn"]),
+            "eval_seeds": args.eval_seeds, "tuning_seed": args.tuning_seed, "final": trained.get("final"),
+        }
+        points.append(point)
+        with Path(args.results).open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(point) + "\n")
+        print(json.dumps(point), flush=True)
+    return points
+
+
+def plot(results: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    points = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "prediction_exact", "exact predictions (%)"),
+                           (axes[1], "observation_exact", "exact observations (%)")):
+        series: dict[str, list[dict]] = {}
+        for point in points:
+            series.setdefault(point["name"], []).append(point)
+        for name, run in sorted(series.items()):
+            run.sort(key=lambda p: p["epoch"])
+            ax.plot([p["sft_seconds"] / 60 for p in run], [100 * (p[key] or 0) for p in run], marker="o", label=name)
+        ax.set(xlabel="SFT minutes (2 CPU cores)", ylabel=label, ylim=(0, 100))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="x-small")
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", default="sokoban")
+    parser.add_argument("--games", type=int, default=64)
+    parser.add_argument("--actions", type=int, nargs=2, default=(1, 1), metavar=("MIN", "MAX"))
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--unit", choices=("trajectory", "turn"), default="trajectory")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--eval-epochs", type=int, nargs="*", help="checkpoints to evaluate (default: the last)")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--eval-seeds", type=int, default=64)
+    parser.add_argument("--train-seed", type=int, default=10000)
+    parser.add_argument("--tuning-seed", type=int, default=20000,
+                        help="first seed of the rooms measured: held out from training and from the eval seeds 123..")
+    parser.add_argument("--from-model", default="smollm2-135m")
+    parser.add_argument("--self-play", action="store_true", help="the model plays (hf backend) instead of random actions")
+    parser.add_argument("--name")
+    parser.add_argument("--work", default=str(ROOT / "runs" / "wm_curve"))
+    parser.add_argument("--results", default=str(DEFAULT_RESULTS))
+    parser.add_argument("--plot", type=Path, help="draw the results file into this PNG and exit")
+    args = parser.parse_args()
+    if args.plot:
+        return plot(Path(args.results), args.plot)
+    run_point(args)
+
+
+if __name__ == "__main__":
+    main()

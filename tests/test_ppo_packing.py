@@ -1,0 +1,141 @@
+"""Packing a group's episodes into one sequence (their shared first prompt once): the actor's
+log-probs, the critic's values and the gradients equal the unpacked passes'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from stages.training import ppo_algos as algos
+from stages.training.policy import StepPolicy, ValueModel
+from stages.training.ppo_samples import (
+    Sample,
+    collate,
+    micro_batches,
+    pack_row,
+    packed_length,
+    score,
+    shared_prefix,
+)
+
+PAD = 0
+
+
+def sample(ids: list[int], first_step: int, group: int) -> Sample:
+    """A sample whose steps are every token from `first_step` on (as with loss_mask="all")."""
+    ids_t = torch.tensor(ids)
+    positions = torch.arange(first_step, len(ids))
+    steps = len(positions)
+    zeros = torch.zeros(steps)
+    return Sample(ids_t, positions, torch.ones(steps, dtype=torch.bool), None, zeros, zeros,
+                  torch.zeros(steps, dtype=torch.bool), 0.0, group)
+
+
+def two_groups(vocab: int) -> list[Sample]:
+    """Group 0: three episodes sharing a 24-token prompt; one continues like another for two tokens
+    (their sampled starts coincide). Group 1: two episodes sharing 17 tokens. Steps start inside the
+    shared prompt, so some steps are predicted from prefix positions."""
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(5, vocab, (n,), generator=g).tolist()
+
+    prompt0, prompt1 = tokens(24), tokens(17)
+    a = prompt0 + tokens(9)
+    b = prompt0 + a[24:26] + tokens(6)
+    c = prompt0 + tokens(14)
+    d = prompt1 + tokens(5)
+    e = prompt1 + tokens(11)
+    return [sample(a, 20, 0), sample(b, 20, 0), sample(c, 22, 0), sample(d, 3, 1), sample(e, 16, 1)]
+
+
+def test_pack_row_lays_out_prefix_and_continuations():
+    row = [sample([1, 2, 3, 7, 8], 1, 0), sample([1, 2, 3, 9], 1, 0)]
+    assert shared_prefix(row) == 3 and packed_length(row) == 3 + 2 + 1
+    ids, positions, mask, where = pack_row(row)
+    assert ids.tolist() == [1, 2, 3, 7, 8, 9]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 3]
+    assert [w.tolist() for w in where] == [[0, 1, 2, 3, 4], [0, 1, 2, 5]]
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0, 0],
+                                   [1, 1, 0, 0, 0, 0],
+                                   [1, 1, 1, 0, 0, 0],
+                                   [1, 1, 1, 1, 0, 0],
+                                   [1, 1, 1, 1, 1, 0],
+                                   [1, 1, 1, 0, 0, 1]]
+    # identical episodes keep one token each of their own
+    twins = [sample([1, 2, 3], 1, 0), sample([1, 2, 3], 1, 0)]
+    assert shared_prefix(twins) == 2 and pack_row(twins)[0].tolist() == [1, 2, 3, 3]
+
+
+def test_micro_batches_pack_groups_within_the_token_budget():
+    samples = two_groups(vocab=50)
+    rows = [[s.group for s in row] for micro in micro_batches(samples, 4096, pack=True) for row in micro]
+    assert sorted(rows) == [[0, 0, 0], [1, 1]]
+    budget = 24 + 9 + 8  # group 0 no longer fits one row: it is split, each part still packed
+    micros = micro_batches(samples, budget, pack=True)
+    assert all(packed_length(row) * len(micro) <= budget or len(micro) == 1 for micro in micros for row in micro)
+    assert sorted(len(s.ids) for micro in micros for row in micro for s in row) == sorted(len(s.ids) for s in samples)
+    unpacked = micro_batches(samples, 4096)
+    assert all(len(row) == 1 for micro in unpacked for row in micro)
+
+
+@pytest.fixture(scope="module")
+def networks(tokenizer):
+    torch.manual_seed(0)
+    actor = tiny_model(tokenizer, seed=1)
+    critic = ValueModel(tiny_model(tokenizer, seed=2))
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)  # not the zero start: values must differ
+    return StepPolicy(actor, temperature=0.7), critic
+
+
+@pytest.mark.parametrize("field", ["old_logprobs", "values"])
+def test_packed_scores_equal_unpacked(networks, tokenizer, field):
+    policy, critic = networks
+    forward = critic if field == "values" else policy
+    unpacked, packed = two_groups(len(tokenizer)), two_groups(len(tokenizer))
+    score(forward, unpacked, field, 4096, "cpu", PAD, pack=False)
+    score(forward, packed, field, 4096, "cpu", PAD, pack=True)
+    for a, b in zip(unpacked, packed, strict=True):
+        torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_gradients_equal_unpacked(networks, tokenizer):
+    """The PPO policy loss plus the value loss over one mini-batch, packed and not: the same loss and
+    the same gradient for every parameter (to 1e-5 relative, fp32)."""
+    policy, critic = networks
+
+    def gradients(pack: bool) -> tuple[float, dict[str, torch.Tensor]]:
+        samples = two_groups(len(tokenizer))
+        g = torch.Generator().manual_seed(3)
+        for s in samples:
+            s.old_logprobs = -torch.rand(s.steps, generator=g) * 3
+            s.advantages = torch.randn(s.steps, generator=g)
+            s.values, s.returns = torch.randn(s.steps, generator=g), torch.randn(s.steps, generator=g)
+        tokens = sum(s.steps for s in samples)
+        policy.zero_grad()
+        critic.zero_grad()
+        total = 0.0
+        for rows in micro_batches(samples, 4096, pack):
+            batch = collate(rows, "cpu", PAD)
+            ordered = [s for row in rows for s in row]
+            logprobs, entropy = policy(**batch, with_entropy=True)
+            loss, _ = algos.policy_loss(logprobs, torch.cat([s.old_logprobs for s in ordered]),
+                                        torch.cat([s.advantages for s in ordered]), torch.ones_like(logprobs),
+                                        normalizer=tokens)
+            loss = loss - 0.01 * entropy.sum() / tokens
+            values = critic(**{k: v for k, v in batch.items() if k != "targets"})
+            value_loss, _ = algos.value_loss(values, torch.cat([s.values for s in ordered]),
+                                             torch.cat([s.returns for s in ordered]), torch.ones_like(values),
+                                             normalizer=tokens)
+            (loss + value_loss).backward()
+            total += (loss + value_loss).item()
+        named = list(policy.named_parameters()) + [(f"critic.{n}", p) for n, p in critic.named_parameters()]
+        return total, {name: p.grad.clone() for name, p in named if p.grad is not None}
+
+    loss_a, grads_a = gradients(pack=False)
+    loss_b, grads_b = gradients(pack=True)
+    assert loss_b == pytest.approx(loss_a, rel=1e-5)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
