@@ -63,8 +63,8 @@ demo: install
 
 # A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): the arms of its Table 2
 # (base, state_estimation, vanilla_rl, state_estimation_rl, vagen, spa_sft, spa) on Sokoban and
-# FrozenLake, 128 eval puzzles x 8 samples. Hours on 2 cores: run it in the background
-# (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
+# FrozenLake, 128 eval puzzles x 8 samples. Hours on 2 cores, not yet timed with these arms: run it
+# in the background (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
 repro-cpu: install
 	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml

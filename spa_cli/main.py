@@ -389,8 +389,9 @@ def pipeline(
     run_dir: Annotated[str | None, _flag("pipeline.dir", "Run directory.", "--dir")] = None,
     report_to: ReportToOpt = None,
     dry_run: Annotated[bool, typer.Option(help="Print the plan (stages, arms, models, modes, sizes); run "
-                                          "and write nothing.")] = False,
-    json_: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON.")] = False,
+                                          "and write nothing.", show_default="false")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON.",
+                                        show_default="false")] = False,
 ) -> None:
     """The paper's arms (generate, clean, sft, ppo, eval) in one run directory; reruns skip
     completed stages and continue an interrupted one."""
@@ -502,7 +503,7 @@ def play(
     env: EnvOpt = None,
     seed: Annotated[int, typer.Option(help="Puzzle seed.")] = 0,
     render_mode: Annotated[str | None, typer.Option(
-        help="coords | text (default: coords where the game has coordinates).")] = None,
+        help="coords | text.", show_default="coords where the game has coordinates, else text")] = None,
     actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.",
                                                 show_default="none: play interactively")] = None,
 ) -> None:

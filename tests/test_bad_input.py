@@ -184,7 +184,6 @@ STAGE_CASES = [
     case("ppo-grpo-single-sample", PPO, "--set", "ppo.advantage=grpo", "--set", "rollout.group_size=1",
          says="rollout.group_size must be >= 2"),
     case("ppo-random-backend", PPO, "--set", "rollout.backend=random", says="ppo needs a model backend"),
-    case("ppo-zero3", PPO, "--set", "ppo.zero_stage=3", says="zero_stage=3 is not supported"),
     case("ppo-history-window", PPO, "--set", "rollout.history_window=2", says="rollout.history_window=null"),
     case("ppo-negative-val-every", PPO, "--set", "ppo.val_every=-1", says="ppo.val_every must be >= 0"),
     case("ppo-float16", PPO, "--set", "model.dtype=float16", says="float32 or bfloat16"),

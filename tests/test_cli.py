@@ -272,10 +272,11 @@ def test_envs_as_json_names_every_game():
     sokoban = games[0]
     assert sokoban == {"name": "sokoban", "gym_id": "spa/Sokoban-v0", "settings": registry.spec("sokoban").kwargs,
                        "actions": "Up | Down | Left | Right", "max_actions_per_traj": 10,
+                       "prompt_modes": ["world_model", "base"], "render_modes": ["coords", "text"],
                        "summary": registry.spec("sokoban").summary}
     assert invoke("envs", "--format", "json").output == result.output
     markdown = invoke("envs", "--format", "markdown").output.splitlines()
-    assert markdown[0] == "| name | gymnasium id | settings | actions / turn budget | what |"
+    assert markdown[0] == "| name | gymnasium id | settings | actions / turn budget | prompt / render modes | what |"
     assert markdown[2].startswith("| sokoban | spa/Sokoban-v0 | dim=6, num_boxes=1, max_steps=100 | Up \\| Down")
     assert invoke("envs", "--format", "yaml").stderr == "error: --format must be table, json or markdown, got 'yaml'\n"
 
@@ -315,10 +316,10 @@ def test_compare_as_json_and_markdown(tmp_path):
     result = invoke("eval", "compare", *paths, "--json")
     assert result.exit_code == 0 and json.loads(result.output) == rows
     markdown = invoke("eval", "compare", *paths, "--format", "markdown").output.splitlines()
-    assert markdown[0] == (f"| report | model | Pass@1 | Pass@2 | obs exact | pred exact | obs cells | pred cells | "
+    assert markdown[0] == (f"| report | model | prompt, states | Pass@1 | Pass@2 | obs exact | pred exact | obs cells | pred cells | "
                            f"Pass@1 minus {paths[0]} | Pass@2 minus {paths[0]} |")
     diff, low, high = rows[1]["pass@1_vs_first"]
-    assert markdown[3].startswith(f"| {paths[1]} | random | {100 * rows[1]['pass@1']:.1f} |")
+    assert markdown[3].startswith(f"| {paths[1]} | random | base, coords | {100 * rows[1]['pass@1']:.1f} |")
     assert markdown[3].endswith(f"| {100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] | "
                                 f"{tables_difference(rows[1]['pass@k_vs_first'])} |")
 
@@ -372,9 +373,8 @@ def test_readme_and_makefile_agree_on_the_reproductions_duration():
     root = Path(__file__).resolve().parents[1]
     readme, makefile = (root / "README.md").read_text(), (root / "Makefile").read_text()
     duration = r"(\d+ h \d+ min|\d+ hours?|\d+ min)"
-    in_readme = re.findall(rf"repro-cpu[^\n]*?{duration}", readme)
-    in_makefile = re.findall(rf"{duration} on 2 cores", makefile[makefile.index("# A CPU-scale reproduction"):])
-    assert len(in_readme) == 2 and len(in_makefile) == 1
-    assert set(in_readme) == set(in_makefile) == {"2 h 20 min"}
-    minutes = [int(m) for m in re.findall(r"(\d+) min for\s+(?:Sokoban|FrozenLake)", readme)]
-    assert len(minutes) == 2 and round(sum(minutes) / 10) * 10 == 2 * 60 + 20  # the measured runs, rounded
+    said = rf"({duration}|not yet timed)"
+    in_readme = {match[0] for match in re.findall(rf"`make repro-cpu` \(the CPU-scale reproduction: [^)]*?{said}", readme)}
+    comment = makefile[makefile.index("# A CPU-scale reproduction"):makefile.index("repro-cpu: install")]
+    in_makefile = {match[0] for match in re.findall(said, comment)}
+    assert len(in_readme) == 1 and in_readme == in_makefile  # a measured duration, or both say it is not

@@ -118,7 +118,7 @@ def test_rank_micro_batches_pad_with_zero_weight_fillers_to_the_busiest_rank():
     assert [len(plan) for plan in plans] == [3, 3]
     assert [weight for _, weight in plans[0]] == [1.0, 1.0, 1.0]
     assert [weight for _, weight in plans[1]] == [1.0, 0.0, 0.0]
-    assert all(micro == parts[1] for micro, _ in plans[1])  # fillers repeat the rank's own pass
+    assert all(micro == [[sample] for sample in parts[1]] for micro, _ in plans[1])  # fillers repeat its own pass
 
 
 # ---- bad launches: one line on every rank, nothing written ----------------------------------------

@@ -61,6 +61,9 @@ class ScriptedBackend:
     def release(self, keys):
         pass
 
+    def close(self):
+        pass
+
 
 def eval_config(tmp_path, *sets):
     return load_config(None, [f"eval.out={tmp_path / 'report.json'}", "env.name=sokoban",
@@ -430,7 +433,7 @@ def last_line(result):
 
 
 def test_cli_eval_writes_report_table_and_plot(tmp_path, monkeypatch):
-    monkeypatch.setattr(evaluate, "make_backend", lambda model, rollout: ScriptedBackend(SOLVERS))
+    monkeypatch.setattr(evaluate, "make_backend", lambda model, rollout, prompt_mode: ScriptedBackend(SOLVERS))
     out, plot = tmp_path / "report.json", tmp_path / "passk.png"
     result = cli("eval", "--env", "sokoban", "--seeds", 4, "--n", 4, "--pass-k", 4, "--temperature", 1.0,
                  "--out", out, "--plot", plot, "--quiet")

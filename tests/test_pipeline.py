@@ -321,15 +321,15 @@ def test_spa_view_of_the_run_directory_holds_its_table_plots_and_eval_episodes(f
     run_dir, _ = finished
     out = tmp_path / "view.html"
     summary = viewer.write_page(run_dir, out)
-    assert summary == f"{out}: 16 episodes (base, sft, spa, vanilla_ppo), plots; open it in a browser"
+    assert summary == f"{out}: 16 episodes (base, spa, spa_sft, vanilla_rl), plots; open it in a browser"
     page = out.read_text()
     assert page.count('src="data:image/png;base64,') == 2  # curves and Pass@k
-    assert "<td>+ SPA (SFT, then PPO)</td>" in page
+    assert "<td>+ SPA</td>" in page
     data = json.loads(page.split('id="spa-data">')[1].split("</script>")[0])  # JSON reads \u003c as <
     arms = {}
     for episode in data["episodes"]:
         arms[episode["arm"]] = arms.get(episode["arm"], 0) + 1
-    assert arms == {"base": 4, "vanilla_ppo": 4, "sft": 4, "spa": 4}
+    assert arms == {"base": 4, "vanilla_rl": 4, "spa_sft": 4, "spa": 4}
 
 
 def test_a_second_run_skips_every_completed_stage(finished, tiny_model_dir, capsys):

@@ -276,7 +276,7 @@ def test_validation_measures_the_state_perplexity_of_the_live_actor(tiny_model_d
 
     def ppl(model_dir):
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        return state_perplexity(model, tokenizer, config.env, [123, 124])["coords"]["ppl"]
+        return state_perplexity(model, tokenizer, config.env, [123, 124], prompt_mode="base")["coords"]["ppl"]
 
     assert found == pytest.approx(ppl(out / "final"), rel=1e-4)
     assert abs(found - ppl(tiny_model_dir)) > 1e-3 * found  # the update moved it

