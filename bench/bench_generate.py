@@ -136,8 +136,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                        help="bfloat16 also measures the HF engine on a bf16 copy of the model")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="bfloat16 also measures the HF engine on a bf16 copy of the model; auto does where "
+                             "model.dtype auto picks bf16 on this CPU (where bf16 is emulated it takes minutes)")
     parser.add_argument("--variants", default="engine,vllm,naive",
                         help="which backends to run (engine_bf16 is added by --dtype bfloat16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -150,6 +151,12 @@ def main() -> None:
         return
 
     batches = [int(b) for b in args.batches.split(",")]
+    if args.dtype == "auto":
+        import torch
+
+        from stages.common.models import pick_dtype
+
+        args.dtype = str(pick_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
     variants = args.variants.split(",") + (["engine_bf16"] if args.dtype == "bfloat16" else [])
     argv = [f"--model={args.model}", f"--env={args.env}", f"--group-size={args.group_size}",
             f"--max-turns={args.max_turns}", f"--max-new-tokens={args.max_new_tokens}"]

@@ -663,6 +663,7 @@ def write_table(the_plan: Plan) -> str:
     coordinates, the paper's Table 1) and each arm's Pass@1 and Pass@k minus the first arm's, with
     the 95% interval of `spa eval compare` (the same puzzles resampled for both)."""
     from stages.evaluation.reports import compare_rows
+    from stages.evaluation.tables import difference
 
     names = [arm.name for arm in the_plan.arms if Path(the_plan.rows[arm.name].config.eval.out).is_file()]
     rows = compare_rows([the_plan.rows[name].config.eval.out for name in names]) if names else []
@@ -679,7 +680,7 @@ def write_table(the_plan: Plan) -> str:
                                                   "prediction_cells")]
         if with_ppl:
             figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
-        figures += [_difference(row["pass@1_vs_first"]), _difference(row["pass@k_vs_first"])]
+        figures += [difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"])]
         lines.append(f"| {labels[name]} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"
     with artifacts.atomic_write(the_plan.dir / "table.md") as handle:
@@ -707,10 +708,3 @@ def _percent(value: float | None) -> str:
 
 def _number(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
-
-
-def _difference(paired: tuple[float, float, float] | None) -> str:
-    if paired is None:
-        return "-"
-    diff, low, high = (100 * value for value in paired)
-    return f"{diff:+.1f} [{low:+.1f}, {high:+.1f}]"

@@ -17,6 +17,21 @@ def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, head
     return LlamaForCausalLM(config)
 
 
+def lively_model(tokenizer, seed: int = 0, **size):
+    """`tiny_model` (of `size`: layers, hidden, heads) with larger weights: its greedy text depends
+    on the context (the default init repeats one token), so cache or position mistakes change the
+    output."""
+    import torch
+
+    model = tiny_model(tokenizer, seed=seed, **size)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2, generator=generator)
+    return model.eval()
+
+
 def _no_states_game():
     import random
     from typing import ClassVar

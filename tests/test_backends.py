@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import lively_model
 
 import envs
 from stages.agent.backends import GenerationRequest, SamplingParams, make_backend
@@ -24,18 +24,6 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("smollm2-135m")
-
-
-def lively_model(tokenizer, seed: int = 0):
-    """The tiny random Llama with larger weights: its greedy text depends on the context (the
-    default init repeats one token), so cache or position mistakes change the output."""
-    model = tiny_model(tokenizer, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2, generator=generator)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -268,7 +268,8 @@ class PPOConfig(_Section):
     old_logprobs: Literal["trainer", "sampler"] = "trainer"
     weight_decay: float = setting(0.01, ge=0)
     grad_clip: float = setting(1.0, ge=0)
-    #: 0: plain torch; 1-2: DeepSpeed ZeRO (CPU or CUDA). 3 is refused: rollouts need the whole actor.
+    #: 0: plain torch (one process); 1-3: DeepSpeed ZeRO (CPU or CUDA; under ZeRO-3 the hf backend
+    #: generates with an unsharded copy of the actor, refreshed after every update).
     zero_stage: Literal[0, 1, 2, 3] = 2
     #: Save memory for speed: recompute activations in the backward pass and, on the CPU, hand
     #: freed memory back to the OS at once (the 4 GB SmolLM2 full fine-tune at 2048 tokens).

@@ -152,7 +152,7 @@ def cpu_auto_dtype() -> str:
     import torch
 
     path = cache_root() / "cpu_dtype.json"
-    machine = {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
     cached = _read_cache(path)
     if cached.get("machine") == machine:
         choice = cached
@@ -197,7 +197,8 @@ def matmul_gflops(dtype, min_seconds: float = 0.15) -> float:
     return best
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     import platform
 
     try:

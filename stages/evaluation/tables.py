@@ -37,7 +37,7 @@ def compare_table(rows: Sequence[dict[str, Any]]):
         differences.add_column(header, justify="left" if header == "report" else "right",
                                no_wrap=header == "report")
     for row in rows[1:]:
-        differences.add_row(row["report"], _difference(row["pass@1_vs_first"]), _difference(row["pass@k_vs_first"]))
+        differences.add_row(row["report"], difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"]))
     return Group(table, differences)
 
 
@@ -62,7 +62,7 @@ def compare_markdown(rows: Sequence[dict[str, Any]]) -> str:
     two more columns (``+1.5 [-2.0, +5.1]``)."""
     headers, cells = _compare_cells(rows)
     headers += (f"Pass@1 minus {rows[0]['report']}", f"{headers[4]} minus {rows[0]['report']}")
-    cells = [line + (_difference(row["pass@1_vs_first"]), _difference(row["pass@k_vs_first"]))
+    cells = [line + (difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"]))
              for line, row in zip(cells, rows)]
     return markdown_table(headers, cells)
 
@@ -94,7 +94,8 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
 
 
-def _difference(paired: tuple[float, float, float] | None) -> str:
+def difference(paired: tuple[float, float, float] | None) -> str:
+    """A paired difference and its interval in percent points: ``+1.5 [-2.0, +5.1]``."""
     if paired is None:
         return "-"
     diff, low, high = (100 * value for value in paired)

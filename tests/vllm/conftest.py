@@ -4,7 +4,6 @@ starts them), so an engine can serve every test of a file: vLLM takes 15-45 s to
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -24,15 +23,9 @@ def lively_model(tokenizer, seed: int = 0):
     """A 2-layer random Llama that vLLM's CPU kernels take (head size 64; they have no kernel for
     the suite's usual tiny model's 16), with weights large enough that its greedy text depends on
     the context."""
-    from helpers import tiny_model
+    from helpers import lively_model as lively
 
-    model = tiny_model(tokenizer, seed=seed, hidden=128, heads=2)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2, generator=generator)
-    return model.eval()
+    return lively(tokenizer, seed=seed, hidden=128, heads=2)
 
 
 @pytest.fixture(scope="session")
