@@ -24,23 +24,12 @@ sys.path.insert(0, str(HERE.parent))
 def machine() -> dict:
     import torch
 
-    from stages.common.models import cpu_name
+    from stages.common.models import cpu_name, matmul_flags
 
     return {"platform": platform.platform(), "processor": cpu_name(), "cpus": os.cpu_count(),
-            "cpu_flags": _matmul_flags(), "torch": torch.__version__,
+            "cpu_flags": matmul_flags(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d")}
-
-
-def _matmul_flags() -> list[str]:
-    """The CPU's vector extensions that decide fp32 and bf16 matmul speed (two CPUs of one name can
-    differ: the numbers in results.json hold for the flags recorded beside them)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
 
 
 def main() -> int:

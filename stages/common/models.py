@@ -152,7 +152,8 @@ def cpu_auto_dtype() -> str:
     import torch
 
     path = cache_root() / "cpu_dtype.json"
-    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    machine = {"cpu": cpu_name(), "flags": matmul_flags(), "cores": os.cpu_count(), "torch": torch.__version__,
+               "python": platform.python_version()}
     cached = _read_cache(path)
     if cached.get("machine") == machine:
         choice = cached
@@ -195,6 +196,17 @@ def matmul_gflops(dtype, min_seconds: float = 0.15) -> float:
             reps += 1
         best = max(best, flops * reps / elapsed / 1e9)
     return best
+
+
+def matmul_flags() -> list[str]:
+    """The CPU's vector extensions that decide fp32 and bf16 matmul speed: two CPUs of one name can
+    differ (measurements hold for the flags recorded beside them)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
 
 
 def cpu_name() -> str:
