@@ -62,10 +62,10 @@ def eval_seeds(config: EvalConfig) -> list[int]:
     return list(range(config.first_seed, config.first_seed + config.seeds))
 
 
-def check(config: SPAConfig, backend: str) -> tuple[dict[str, Any], bool]:
+def check(config: SPAConfig, backend: str) -> tuple[Any, dict[str, Any], bool]:
     """What can be refused before a model is loaded (`backend` is its kind): the sample plan, the
-    output path, the game, and an earlier eval at that path. Returns the report settings and
-    whether an interrupted eval of the same settings is continued."""
+    output path, the game, and an earlier eval at that path. Returns the game, the report settings
+    and whether an interrupted eval of the same settings is continued."""
     n, k = sample_plan(config.eval)
     out = Path(config.eval.out)
     check_out(out)
@@ -73,7 +73,7 @@ def check(config: SPAConfig, backend: str) -> tuple[dict[str, Any], bool]:
     settings = reports.report_settings(config, env, n, k, model_label(config.model.name, backend))
     key = {name: value for name, value in settings.items() if name not in RESUME_FREE}
     holds_run = out.exists() or reports.trajectories_path(out).exists()
-    return settings, runs.start(out, key, config.eval.resume, "eval", holds_run)
+    return env, settings, runs.start(out, key, config.eval.resume, "eval", holds_run)
 
 
 def evaluate(config: SPAConfig, backend: Any, *, model: Any = None, tokenizer: Any = None,
@@ -86,9 +86,8 @@ def evaluate(config: SPAConfig, backend: Any, *, model: Any = None, tokenizer: A
     over the ranks (`stages.agent.proxy.play_shared`); rank 0 writes the one trajectory file and
     the one report (the state perplexity, too), and every rank returns the report."""
     dist = dist or Dist()
-    settings, resuming = check(config, backend.name)
+    env, settings, resuming = check(config, backend.name)
     n, seeds = settings["n"], eval_seeds(config.eval)
-    env = check_modes(config.env, config.eval.prompt_mode, config.eval.render_mode, "eval")
     out, traj_path = Path(config.eval.out), reports.trajectories_path(config.eval.out)
     distributed.barrier(dist)  # every rank has looked at the earlier files before rank 0 changes them
     if dist.main:
