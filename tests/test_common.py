@@ -187,3 +187,60 @@ def test_ordinary_tests_see_no_gpu():
     from stages.common.models import pick_device
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available() and pick_device() == "cpu"
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_single_query_attention_equals_transformers_sdpa_under_grouped_heads(mask_kind):
+    """The decode-step regrouping (no KV copy) gives transformers' SDPA result: 6 query heads on
+    2 key/value heads, a padded batch, one query token; longer queries go to SDPA unchanged."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from stages.common.models import single_query_sdpa
+
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    key, value = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    keep = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    keep[1, ..., :3] = False  # the second row is left-padded
+    mask = {"none": None, "bool": keep,
+            "float": torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)}[mask_kind]
+    query = torch.randn(2, 6, 1, 8)
+    ours, _ = single_query_sdpa(module, query, key, value, mask, scaling=0.3)
+    stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.shape == stock.shape == (2, 1, 6, 8)
+    torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
+    long_query = torch.randn(2, 6, 7, 8)
+    torch.testing.assert_close(single_query_sdpa(module, long_query, key, value, None, scaling=0.3)[0],
+                               sdpa_attention_forward(module, long_query, key, value, None, scaling=0.3)[0])
+
+
+def test_grouped_heads_decode_as_with_eager_attention():
+    """Greedy decoding of a grouped-query model with "sdpa" as `load_model` sets it up (so through
+    `single_query_sdpa` where transformers lacks its own fix) produces the tokens and scores of the
+    eager attention, which repeats the key/value heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.common.models import _use_single_query_sdpa
+
+    _use_single_query_sdpa()
+    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    prompt = torch.tensor([[0, 0, 5, 9, 14], [3, 7, 11, 4, 8]])
+    attention = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    runs = {}
+    for attn in ("sdpa", "eager"):
+        model.set_attn_implementation(attn)
+        runs[attn] = model.generate(prompt, attention_mask=attention, max_new_tokens=12, do_sample=False,
+                                    output_scores=True, return_dict_in_generate=True, eos_token_id=None)
+    assert torch.equal(runs["sdpa"].sequences, runs["eager"].sequences)
+    torch.testing.assert_close(torch.stack(runs["sdpa"].scores), torch.stack(runs["eager"].scores),
+                               rtol=1e-5, atol=1e-5)

