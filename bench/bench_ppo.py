@@ -12,16 +12,23 @@ medians over the rest. Variants (`ppo.*` settings):
   (`ppo.pack_groups`, the default);
 * ``packed_sampler_logprobs``: packed, and the old log-probs taken from the sampler
   (`ppo.old_logprobs=sampler`; fp32 only);
+* ``packed_lora``: packed, LoRA adapters (rank 16) on actor and critic instead of full
+  fine-tuning (`ppo.lora_rank`): no weight gradients or optimizer state for the base weights;
+* ``packed_shared_critic``: packed, the value head on the actor's trunk (`ppo.critic=shared`): one
+  forward and backward for both losses, no second network;
+* ``cheapest``: packed, sampler log-probs, LoRA and the shared critic together (fp32 only);
 * ``packed_vllm``: packed, with vLLM's rollouts (``rollout.backend=vllm``, where vLLM is
   installed; fp32): the engine starts with the run and its start-up is in no phase; the update
   phase includes pushing the new weights into it. Its samples are vLLM's, so its step-1 losses
   are not compared. Runs share one process, vLLM's last (it changes process-wide state).
 
-Every variant plays the same rollouts at step 1 (same seeds, same weights), so its step-1 losses
-must equal the first variant's: their largest relative difference is reported (`step1_max_rel_diff`).
+Every variant plays the same rollouts at step 1 (same seeds, same weights: LoRA adapters start at
+zero and a value head at zero, shared or not), so its step-1 losses must equal the first
+variant's: their largest relative difference is reported (`step1_max_rel_diff`).
 ``update_tokens_per_s`` counts the kept episodes' tokens once per PPO epoch over the whole update
-phase (a forward and backward pass of the actor AND of the critic, plus both optimizer steps); it
-compares with `spa sft`'s tokens/s (one model) after dividing by two. Prints one JSON object.
+phase (a forward and backward pass of the actor AND of the critic, plus both optimizer steps; one
+pass of one network with a shared critic); with a separate critic it compares with `spa sft`'s
+tokens/s (one model) after dividing by two. Prints one JSON object.
 """
 
 import argparse
@@ -36,10 +43,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PHASES = ("rollout", "old_logprobs", "values", "update")
+LORA = ["ppo.lora_rank=16", "ppo.lora_alpha=32"]
 VARIANTS = {
     "unpacked": ["ppo.pack_groups=false"],
     "packed": ["ppo.pack_groups=true"],
     "packed_sampler_logprobs": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler"],
+    "packed_lora": ["ppo.pack_groups=true", *LORA],
+    "packed_shared_critic": ["ppo.pack_groups=true", "ppo.critic=shared"],
+    "cheapest": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler", *LORA, "ppo.critic=shared"],
     "packed_vllm": ["ppo.pack_groups=true", "rollout.backend=vllm"],
 }
 #: Variants whose step-1 rollouts are not the hf backend's samples (another sampler): not compared.
@@ -111,7 +122,7 @@ def main() -> None:
         resolved = str(pick_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
         runs, first_rows, failed = {}, {}, {}
         for name in args.variant or list(VARIANTS):
-            if name.endswith("sampler_logprobs") and resolved != "float32":
+            if "ppo.old_logprobs=sampler" in VARIANTS[name] and resolved != "float32":
                 continue  # sampler log-probs are for fp32 only
             if name == "packed_vllm" and (importlib.util.find_spec("vllm") is None or resolved != "float32"):
                 continue  # vLLM rollouts where vLLM is installed, in fp32 (its CPU build's precision here)

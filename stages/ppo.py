@@ -14,7 +14,8 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
    Validation plays the ``eval.*`` prompt and render mode.
 2. **Filter**: keep the ``ppo.filter_ratio`` of groups with the largest reward std (SPA: 8 of 32).
 3. **Old log-probs and values**: a no-grad pass of the actor (and of the frozen reference when
-   ``ppo.kl_coef > 0``) and of the critic over the kept episodes. The mean |logp_trainer -
+   ``ppo.kl_coef > 0``) and of the critic over the kept episodes (one pass for both with a
+   shared critic; none for the log-probs with ``ppo.old_logprobs: sampler``). The mean |logp_trainer -
    logp_sampler| over sampled tokens is logged every step (``logp_diff``): it shows that the
    rollouts ran the current weights (it jumps when a weight sync fails).
 4. **Advantages**: token-level GAE (gamma = lambda = 1 by default, so A_t = R - V_t) whitened over
@@ -74,7 +75,11 @@ Simplifications compared with verl/RAGEN (SPA's trainer), nanochat style:
   episodes. The copy costs the 2 bytes a parameter of the weights that ZeRO-3 would otherwise
   shard, so ZeRO-3 pays off most with vLLM, whose engine holds its own copy anyway.
 * The critic is the same network (a copy of the same checkpoint) with its LM head replaced by a
-  linear value head, zero-initialised so that the first values are 0.
+  linear value head, zero-initialised so that the first values are 0. Cheaper options:
+  ``ppo.critic: shared`` puts that head on the actor's own last hidden state (one network, one
+  forward and backward for pg_loss + value_coef x value_loss; the value loss then also moves the
+  actor's trunk, as in TRL's original value-head PPO), and ``ppo.lora_rank`` trains LoRA adapters
+  of actor and critic on frozen weights (checkpoints and vLLM pushes get them merged).
 * Each step's rollouts start with empty KV caches, so a resumed run samples exactly what an
   uninterrupted one would.
 """
@@ -108,7 +113,7 @@ from stages.common.seeds import stable_seed
 from stages.training import engine as eng
 from stages.training import ppo_algos as algos
 from stages.training import trainable
-from stages.training.checkpoints import FINAL_DIR, RunDir, save_hf_checkpoint
+from stages.training.checkpoints import FINAL_DIR, RunDir, merged_lora_state_dict, save_hf_checkpoint
 from stages.training.policy import StepPolicy, ValueModel
 from stages.training.ppo_samples import (
     Sample,
@@ -160,6 +165,12 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
         raise UserError("ppo.old_logprobs=sampler needs ppo.loss_mask=assistant (environment tokens have no "
                         "sampler log-prob), rollout.top_p=1 (the trainer scores the whole vocabulary) and fp32 "
                         "(in bf16 sampler and trainer round differently); or use ppo.old_logprobs=trainer")
+    if ppo.critic == "shared" and ppo.advantage == "grpo":
+        raise UserError("ppo.critic=shared puts a value head on the actor, and ppo.advantage=grpo uses no critic; "
+                        "set ppo.critic=separate, or ppo.advantage=gae / bilevel_gae")
+    if ppo.lora_rank and ppo.zero_stage == 3:
+        raise UserError("ppo.lora_rank > 0 trains adapters on frozen weights that every rank keeps whole (checkpoints "
+                        "and weight pushes merge them); ZeRO-3 would shard them: use ppo.zero_stage 0-2")
     if ppo.advantage == "grpo" and rollout.group_size < 2:
         raise UserError("ppo.advantage=grpo compares episodes within a group: rollout.group_size must be >= 2")
     kept_groups = algos.groups_to_keep(rollout.groups, ppo.filter_ratio)
@@ -203,10 +214,13 @@ def settings(config: SPAConfig) -> dict[str, Any]:
 
 @dataclass
 class Models:
-    actor: nn.Module  # the HF causal LM inside the actor engine (sharded under ZeRO-3)
+    # The HF causal LM the actor engine trains (sharded under ZeRO-3); with LoRA its peft wrapper,
+    # whose adapters checkpoints and weight pushes merge (`trainable.inner_lm` is what runs).
+    actor: nn.Module
     tokenizer: Any
-    actor_engine: Any  # trains StepPolicy(actor)
-    critic_engine: Any | None  # trains ValueModel; None for GRPO
+    actor_engine: Any  # trains StepPolicy(actor), with the value head when the critic is shared
+    critic_engine: Any | None  # trains ValueModel; None for GRPO and for a shared critic
+    shared_critic: bool  # the values come from the actor's own value head (ppo.critic=shared)
     reference: StepPolicy | None  # frozen copy of the initial actor; None without a KL term
     # The unsharded HF model the hf backend generates with (and validation's state perplexity
     # reads): the actor itself, or under ZeRO-3 a copy refreshed after every update (None when
@@ -226,12 +240,16 @@ def build_models(config: SPAConfig) -> Models:
     dist = trainable.start_processes(m, ppo.zero_stage, ppo.gradient_checkpointing, to_dict(config))
     actor, tokenizer, mixed = trainable.load_trainable(m, dist, zero_stage=ppo.zero_stage, seed=ppo.seed,
                                                        gradient_checkpointing=ppo.gradient_checkpointing,
+                                                       lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha,
                                                        without_dropout=True)
-    critic = ValueModel(copy.deepcopy(actor)) if ppo.advantage != "grpo" else None
+    lm = trainable.inner_lm(actor)  # with LoRA: the model with its adapters inside (copies keep them)
+    with_critic = ppo.advantage != "grpo"
+    shared = with_critic and ppo.critic == "shared"
+    critic = ValueModel(copy.deepcopy(lm)) if with_critic and not shared else None
     reference = None
     if ppo.kl_coef > 0:
-        reference = StepPolicy(copy.deepcopy(actor).eval().requires_grad_(False), config.rollout.temperature)
-    generator = actor
+        reference = StepPolicy(copy.deepcopy(lm).eval().requires_grad_(False), config.rollout.temperature)
+    generator = lm
     if ppo.zero_stage == 3:  # the engine will shard the actor: keep a whole copy where one is needed
         needed = config.rollout.backend == "hf" or config.eval.state_ppl
         generator = copy.deepcopy(actor).eval().requires_grad_(False) if needed else None
@@ -240,11 +258,12 @@ def build_models(config: SPAConfig) -> Models:
         optim = eng.OptimSettings(lr, ADAM_BETAS, ppo.weight_decay, ppo.grad_clip, CONSTANT_LR_STEPS, 0.0)
         return trainable.make_engine(module, dist, mixed, ppo.zero_stage, optim)
 
-    actor_engine = engine(StepPolicy(actor, config.rollout.temperature), ppo.actor_lr)
+    policy = StepPolicy(lm, config.rollout.temperature, value_lr=ppo.critic_lr if shared else None)
+    actor_engine = engine(policy, ppo.actor_lr)
     critic_engine = engine(critic, ppo.critic_lr) if critic is not None else None
     # flash-attention 2 takes no 4D mask: packed rows need SDPA or eager attention
-    pack = ppo.pack_groups and actor.config._attn_implementation in ("sdpa", "eager")
-    return Models(actor, tokenizer, actor_engine, critic_engine, reference, generator, dist, pack)
+    pack = ppo.pack_groups and lm.config._attn_implementation in ("sdpa", "eager")
+    return Models(actor, tokenizer, actor_engine, critic_engine, shared, reference, generator, dist, pack)
 
 
 def _autocast(engine: Any):
@@ -258,13 +277,18 @@ def push_weights(models: Models, backend: Any, config: SPAConfig) -> None:
 
     The hf backend generating with the live actor needs only its caches dropped (DeepSpeed writes
     the weights through ``.data``, which its change detection cannot see). Otherwise the weights
-    are taken whole (under ZeRO-3 gathered one at a time) into the unsharded copy and/or vLLM."""
+    are taken whole (under ZeRO-3 gathered one at a time; with LoRA merged) into the unsharded copy
+    and/or vLLM."""
     actor, generator = models.actor, models.generator
-    if generator is actor and config.rollout.backend == "hf":
+    live = trainable.inner_lm(actor)
+    if generator is live and config.rollout.backend == "hf":
         _reset_caches(backend)
         return
-    weights = models.actor_engine.full_parameters(actor)
-    if generator is not None and generator is not actor:
+    if live is not actor:  # LoRA: the base weights plus the adapters' deltas, under the base names
+        weights = iter(merged_lora_state_dict(actor).items())
+    else:
+        weights = models.actor_engine.full_parameters(actor)
+    if generator is not None and generator is not live:
         own = dict(generator.named_parameters())
         with torch.no_grad():
             for name, tensor in weights:
@@ -305,7 +329,7 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
                 batch = collate(rows, dist.device, pad_id)
                 micro = [sample for row in rows for sample in row]  # collate's order
                 last = index == len(micros) - 1
-                terms = _actor_backward(models, batch, micro, weight, tokens, last, config, step)
+                terms = _actor_backward(models, batch, micro, weight, tokens, last, config, step)  # (+ values)
                 if models.critic_engine is not None:
                     terms |= _critic_backward(models, batch, micro, weight, tokens, last, config, step)
                 for key, value in terms.items():  # micro means, weighted by their tokens
@@ -322,7 +346,7 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
 def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
                     config: SPAConfig, step: int) -> dict[str, float]:
     ppo, device = config.ppo, models.dist.device
-    logprobs, entropy = models.actor_engine(**batch, with_entropy=True)
+    logprobs, entropy, values = models.actor_engine(**batch, with_entropy=True, with_values=models.shared_critic)
     pg_loss, stats = algos.policy_loss(logprobs, flat(micro, "old_logprobs", device), flat(micro, "advantages", device),
                                        torch.ones_like(logprobs), ppo.clip_low, ppo.clip_high, ppo.dual_clip,
                                        normalizer=tokens)
@@ -333,6 +357,10 @@ def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: fl
         kl = algos.kl_penalty(logprobs, flat(micro, "ref_logprobs", device), "k3")
         loss = loss + ppo.kl_coef * kl.sum() / tokens
         terms["kl_ref"] = kl.mean().item()
+    if models.shared_critic:  # one backward through the shared trunk for both losses
+        value_loss, value_terms = _value_loss(values, micro, tokens, config, device)
+        loss = loss + ppo.value_coef * value_loss
+        terms |= value_terms
     _check_finite(loss, "policy loss", step, config, models.dist)
     models.actor_engine.backward(loss * weight, last)
     return terms
@@ -340,13 +368,18 @@ def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: fl
 
 def _critic_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
                      config: SPAConfig, step: int) -> dict[str, float]:
-    engine, device = models.critic_engine, models.dist.device
-    values = engine(**{key: value for key, value in batch.items() if key != "targets"})
-    loss, stats = algos.value_loss(values, flat(micro, "values", device), flat(micro, "returns", device),
-                                   torch.ones_like(values), config.ppo.value_clip, normalizer=tokens)
+    engine = models.critic_engine
+    loss, terms = _value_loss(engine(**batch), micro, tokens, config, models.dist.device)
     _check_finite(loss, "value loss", step, config, models.dist)
     engine.backward(loss * weight, last)
-    return {"value_loss": loss.item() * tokens / len(values), "vf_clip_frac": stats["vf_clip_frac"].item()}
+    return terms
+
+
+def _value_loss(values: torch.Tensor, micro: list[Sample], tokens: int, config: SPAConfig,
+                device: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    loss, stats = algos.value_loss(values, flat(micro, "values", device), flat(micro, "returns", device),
+                                   torch.ones_like(values), config.ppo.value_clip, normalizer=tokens)
+    return loss, {"value_loss": loss.item() * tokens / len(values), "vf_clip_frac": stats["vf_clip_frac"].item()}
 
 
 def _step(engine: Any, name: str, step: int) -> float:
@@ -426,22 +459,27 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
     micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
     fields = ["old_logprobs"]
     models.actor_engine.module.eval()
+    from_sampler = ppo.old_logprobs == "sampler" and all(s.sampler_logprobs is not None for s in samples)
     with timer("old_logprobs"):
-        if ppo.old_logprobs == "sampler" and all(s.sampler_logprobs is not None for s in samples):
+        if from_sampler:
             for sample in samples:  # every rank has every sample's: nothing to exchange
                 sample.old_logprobs = sample.sampler_logprobs
             fields.remove("old_logprobs")
-        else:
-            score(models.actor_engine, micros, "old_logprobs", device, pad_id)
+        elif not models.shared_critic:  # (a shared critic's pass below gives them with the values)
+            score(models.actor_engine, micros, ("old_logprobs",), device, pad_id)
         if models.reference is not None:
             fields.append("ref_logprobs")
             with _autocast(models.actor_engine):
-                score(models.reference, micros, "ref_logprobs", device, pad_id)
+                score(models.reference, micros, ("ref_logprobs",), device, pad_id)
     with timer("values"):
-        if models.critic_engine is not None:
+        if models.shared_critic:
+            fields.append("values")
+            score(models.actor_engine, micros, (None if from_sampler else "old_logprobs", None, "values"), device,
+                  pad_id, with_values=True)
+        elif models.critic_engine is not None:
             fields.append("values")
             models.critic_engine.module.eval()
-            score(models.critic_engine, micros, "values", device, pad_id)
+            score(models.critic_engine, micros, ("values",), device, pad_id)
     if dist.world > 1:
         with timer("exchange"):
             index = {id(sample): i for i, sample in enumerate(samples)}

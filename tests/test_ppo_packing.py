@@ -94,8 +94,8 @@ def test_packed_scores_equal_unpacked(networks, tokenizer, field):
     policy, critic = networks
     forward = critic if field == "values" else policy
     unpacked, packed = two_groups(len(tokenizer)), two_groups(len(tokenizer))
-    score(forward, [(micro, 1.0) for micro in micro_batches(unpacked, 4096, pack=False)], field, "cpu", PAD)
-    score(forward, [(micro, 1.0) for micro in micro_batches(packed, 4096, pack=True)], field, "cpu", PAD)
+    score(forward, [(micro, 1.0) for micro in micro_batches(unpacked, 4096, pack=False)], (field,), "cpu", PAD)
+    score(forward, [(micro, 1.0) for micro in micro_batches(packed, 4096, pack=True)], (field,), "cpu", PAD)
     for a, b in zip(unpacked, packed, strict=True):
         torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=1e-5)
 
@@ -119,12 +119,12 @@ def test_packed_gradients_equal_unpacked(networks, tokenizer):
         for rows in micro_batches(samples, 4096, pack):
             batch = collate(rows, "cpu", PAD)
             ordered = [s for row in rows for s in row]
-            logprobs, entropy = policy(**batch, with_entropy=True)
+            logprobs, entropy, _ = policy(**batch, with_entropy=True)
             loss, _ = algos.policy_loss(logprobs, torch.cat([s.old_logprobs for s in ordered]),
                                         torch.cat([s.advantages for s in ordered]), torch.ones_like(logprobs),
                                         normalizer=tokens)
             loss = loss - 0.01 * entropy.sum() / tokens
-            values = critic(**{k: v for k, v in batch.items() if k != "targets"})
+            values = critic(**batch)
             value_loss, _ = algos.value_loss(values, torch.cat([s.values for s in ordered]),
                                              torch.cat([s.returns for s in ordered]), torch.ones_like(values),
                                              normalizer=tokens)

@@ -266,6 +266,17 @@ class PPOConfig(_Section):
     #: the logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout's own, which
     #: saves that pass; fp32 only, with top_p 1 and the assistant loss mask, where they agree).
     old_logprobs: Literal["trainer", "sampler"] = "trainer"
+    #: LoRA adapters of this rank on every linear layer of actor and critic (0: full fine-tuning).
+    #: The base weights stay frozen: no weight gradients, no optimizer state for them; the
+    #: checkpoints are merged. LoRA usually wants a larger actor_lr than full fine-tuning.
+    lora_rank: int = setting(0, ge=0)
+    lora_alpha: int = setting(64, ge=1)
+    #: "separate": the critic is its own copy of the network with a value head (SPA); "shared": the
+    #: value head sits on the actor's last hidden state, and one forward and backward serves both
+    #: losses (pg_loss + value_coef x value_loss; the value loss then moves the actor's trunk too,
+    #: and the head learns at critic_lr).
+    critic: Literal["separate", "shared"] = "separate"
+    value_coef: float = setting(0.5, gt=0)
     weight_decay: float = setting(0.01, ge=0)
     grad_clip: float = setting(1.0, ge=0)
     #: 0: plain torch (one process); 1-3: DeepSpeed ZeRO (CPU or CUDA; under ZeRO-3 the hf backend

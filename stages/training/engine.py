@@ -219,7 +219,11 @@ def cosine_with_warmup(total_steps: int, warmup_ratio: float) -> Callable[[int],
 def _optimizer(model, settings: OptimSettings, device: str, cpu_adam: bool = False):
     import torch
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    # A module may ask for learning rates of its own (a shared-trunk critic's value head)
+    if hasattr(model, "optimizer_groups"):
+        params = model.optimizer_groups(settings.lr)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
     kwargs = {"lr": settings.lr, "betas": tuple(settings.betas), "weight_decay": settings.weight_decay}
     if cpu_adam:  # DeepSpeed's vectorised CPU Adam for optimizer offload
         from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -3,7 +3,8 @@
 * `StepPolicy` wraps the actor (a causal LM): log-probs (and entropies) of given tokens at given
   positions, at the sampling temperature.
 * `ValueModel` is the critic: the same kind of network with its LM head replaced by a linear
-  value head.
+  value head. With ``ppo.critic: shared`` there is no second network: `StepPolicy` carries the
+  value head itself and returns values from the same pass (`ppo` passes ``with_values``).
 
 Both run their heads only at the requested positions (``rows``, ``cols``), so prompt and
 environment tokens cost no vocabulary projection, and take ``position_ids`` with a 4D attention
@@ -24,50 +25,73 @@ class StepPolicy(nn.Module):
     The LM head runs only on the requested positions when the model's logits are a plain linear
     map of its last hidden state (checked once on a probe input); otherwise the full logits are
     computed and indexed. Logits are divided by the sampling temperature: the log-probs are those
-    of the distribution the sampler drew from.
+    of the distribution the sampler drew from. ``value_lr`` adds a value head on the last hidden
+    state (a shared-trunk critic) that learns at that rate (`optimizer_groups`).
     """
 
-    def __init__(self, causal_lm: nn.Module, temperature: float):
+    def __init__(self, causal_lm: nn.Module, temperature: float, value_lr: float | None = None):
         super().__init__()
         self.lm = causal_lm
         self.temperature = temperature
         self.plain_head = _head_is_plain(causal_lm)
+        self.value_head = _value_head(causal_lm) if value_lr is not None else None
+        self.value_lr = value_lr
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False,
+                cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False, with_values: bool = False,
                 position_ids: torch.Tensor | None = None):
+        """(log-probs, entropies or None, values or None) at the positions ``(rows, cols)``."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "use_cache": False}
         if self.plain_head:
-            hidden = self.lm.base_model(**inputs).last_hidden_state
-            logits = self.lm.get_output_embeddings()(hidden[rows, cols])
+            hidden = self.lm.base_model(**inputs).last_hidden_state[rows, cols]
+            logits = self.lm.get_output_embeddings()(hidden)
         else:
-            logits = self.lm(**inputs).logits[rows, cols]
+            out = self.lm(**inputs, output_hidden_states=with_values)
+            logits = out.logits[rows, cols]
+            hidden = out.hidden_states[-1][rows, cols] if with_values else None
         logits = logits.float() / self.temperature
         entropy = algos.entropy_from_logits(logits) if with_entropy else None
-        return algos.logprobs_from_logits(logits, targets), entropy
+        values = self.value_head(hidden).squeeze(-1).float() if with_values else None
+        return algos.logprobs_from_logits(logits, targets), entropy, values
+
+    def optimizer_groups(self, lr: float) -> list[dict]:
+        """The trainable weights by learning rate: the value head's own, the rest at `lr`."""
+        head = {id(p) for p in self.value_head.parameters()} if self.value_head is not None else set()
+        groups = [{"params": [p for p in self.parameters() if p.requires_grad and id(p) not in head], "lr": lr}]
+        if head:
+            groups.append({"params": list(self.value_head.parameters()), "lr": self.value_lr})
+        return groups
 
 
 class ValueModel(nn.Module):
     """The critic: a causal LM's transformer body with a linear value head on its last hidden state.
 
     ``forward(input_ids, attention_mask, rows, cols)`` returns the values at positions
-    ``(rows, cols)`` only, shape ``[N]``.
+    ``(rows, cols)`` only, shape ``[N]`` (``targets``, which the policy scores, is ignored).
     """
 
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
         self.body = causal_lm.base_model
-        weight = next(causal_lm.parameters())
-        self.value_head = nn.Linear(causal_lm.config.hidden_size, 1, dtype=weight.dtype, device=weight.device)
-        nn.init.zeros_(self.value_head.weight)  # V = 0 at first: no arbitrary initial baseline
-        nn.init.zeros_(self.value_head.bias)
+        self.value_head = _value_head(causal_lm)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                cols: torch.Tensor, position_ids: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=False).last_hidden_state
         return self.value_head(hidden[rows, cols]).squeeze(-1).float()
+
+
+def _value_head(causal_lm: nn.Module) -> nn.Linear:
+    """A linear map of the last hidden state to one number, zero-initialised: V = 0 at first, no
+    arbitrary initial baseline."""
+    weight = next(causal_lm.parameters())
+    head = nn.Linear(causal_lm.config.hidden_size, 1, dtype=weight.dtype, device=weight.device)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
 
 
 @torch.no_grad()

