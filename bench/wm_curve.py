@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--env", default="sokoban")
     parser.add_argument("--games", type=int, default=64)
     parser.add_argument("--actions", type=int, nargs=2, default=(1, 1), metavar=("MIN", "MAX"))
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=2, help="turns a game (the demo plays 2)")
     parser.add_argument("--unit", choices=("trajectory", "turn"), default="trajectory")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--eval-epochs", type=int, nargs="*", help="checkpoints to evaluate (default: the last)")
