@@ -26,6 +26,7 @@ timed. Prints one JSON object:
   with `resource.getrusage` in a subprocess; and the peak RSS of each throughput run.
 
     python bench/bench_sft.py [--rows-per-step 2] [--steps 3] [--repeats 1] [--skip-trl] [--skip-rss]
+                              [--only spa_turns,spa_turns_unmerged,trl_tuned_turns]
 """
 
 from __future__ import annotations
@@ -238,6 +239,7 @@ def main() -> None:
                         help="rows per optimizer step on the one-row-per-turn data")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="also measure bf16 (default: when model.dtype auto picks it on this CPU)")
+    parser.add_argument("--only", help="comma-separated trainers to run (e.g. spa_turns,trl_tuned_turns; default all)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -278,6 +280,12 @@ def main() -> None:
         trainers["trl_tuned_turns"] = ("trl", {"defaults": False, **turns})
         if bf16:
             trainers["trl_tuned_bf16"] = ("trl", {"defaults": False, "bf16": True, **rows})
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - set(trainers))
+        if unknown:
+            parser.error(f"--only: no trainer {', '.join(unknown)} here; the trainers are {', '.join(trainers)}")
+        trainers = {name: trainers[name] for name in wanted}
     peaks = [run_child("peak")]
     runs: dict[str, dict] = {}
     for _ in range(args.repeats):  # interleaved, so a busy spell on the machine hits every trainer
@@ -310,8 +318,9 @@ def main() -> None:
         result[name] = {**run, "mfu": mfu(name, run["tokens_per_s"])}
     for name in runs:
         if name.startswith("trl"):
-            ours = runs["spa_bf16" if name.endswith("bf16") else "spa_turns" if name.endswith("turns") else "spa"]
-            result[f"ratio_vs_{name}"] = round(ours["tokens_per_s"] / runs[name]["tokens_per_s"], 3)
+            ours = "spa_bf16" if name.endswith("bf16") else "spa_turns" if name.endswith("turns") else "spa"
+            if ours in runs:
+                result[f"ratio_vs_{name}"] = round(runs[ours]["tokens_per_s"] / runs[name]["tokens_per_s"], 3)
     if rss:
         result["full_finetune_2048_peak_rss_gb"] = rss["peak_rss_gb"]
         result["rss_run"] = {"zero_stage": 2, "gradient_checkpointing": True, "max_length": 2048,

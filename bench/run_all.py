@@ -6,12 +6,14 @@ keeps its previous entry, so `--only` refreshes some without losing the others.
 
     python bench/run_all.py                       # every benchmark
     python bench/run_all.py --only bench_ppo      # just these (repeatable)
+    python bench/run_all.py --only bench_sft --args "bench_sft=--only spa_turns,trl_tuned_turns"
 """
 
 import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -36,7 +38,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     parser.add_argument("--only", action="append", help="a benchmark's name, e.g. bench_sft (repeatable)")
+    parser.add_argument("--args", action="append", default=[], metavar="NAME=ARGS",
+                        help="arguments for one benchmark, recorded in its entry (repeatable)")
     args = parser.parse_args()
+    extra = dict(item.split("=", 1) for item in args.args if "=" in item)
+    if len(extra) != len(args.args):
+        print("error: --args takes NAME=ARGS, e.g. bench_sft='--only spa_turns'", file=sys.stderr)
+        return 2
     scripts = sorted(HERE.glob("bench_*.py"))
     if args.only:
         unknown = set(args.only) - {s.stem for s in scripts}
@@ -49,13 +57,15 @@ def main() -> int:
     for script in scripts:
         print(f"running {script.name} ...", file=sys.stderr, flush=True)
         start = time.time()
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
+        argv = shlex.split(extra.get(script.stem, ""))
+        proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             failed.append(script.name)
             results[script.stem] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
         else:
             results[script.stem] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
-                                    "wall_s": round(time.time() - start, 1), "machine": machine()}
+                                    "wall_s": round(time.time() - start, 1), "machine": machine(),
+                                    **({"args": argv} if argv else {})}
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # keep what finished if a later one hangs
     print(json.dumps(results, indent=2))
     return 1 if failed else 0
