@@ -39,7 +39,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     parser.add_argument("--only", action="append", help="a benchmark's name, e.g. bench_sft (repeatable)")
     parser.add_argument("--args", action="append", default=[], metavar="NAME=ARGS",
-                        help="arguments for one benchmark, recorded in its entry (repeatable)")
+                        help="arguments for one benchmark; its entry is named with them (repeatable)")
     args = parser.parse_args()
     extra = dict(item.split("=", 1) for item in args.args if "=" in item)
     if len(extra) != len(args.args):
@@ -58,14 +58,14 @@ def main() -> int:
         print(f"running {script.name} ...", file=sys.stderr, flush=True)
         start = time.time()
         argv = shlex.split(extra.get(script.stem, ""))
+        key = " ".join([script.stem, *argv])  # a partial run keeps the full run's entry beside it
         proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             failed.append(script.name)
-            results[script.stem] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+            results[key] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
         else:
-            results[script.stem] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
-                                    "wall_s": round(time.time() - start, 1), "machine": machine(),
-                                    **({"args": argv} if argv else {})}
+            results[key] = {**json.loads(proc.stdout.strip().splitlines()[-1]),
+                                    "wall_s": round(time.time() - start, 1), "machine": machine()}
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # keep what finished if a later one hangs
     print(json.dumps(results, indent=2))
     return 1 if failed else 0
