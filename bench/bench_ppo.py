@@ -20,7 +20,9 @@ medians over the rest. Variants (`ppo.*` settings):
 * ``packed_vllm``: packed, with vLLM's rollouts (``rollout.backend=vllm``, where vLLM is
   installed; fp32): the engine starts with the run and its start-up is in no phase; the update
   phase includes pushing the new weights into it. Its samples are vLLM's, so its step-1 losses
-  are not compared. Runs share one process, vLLM's last (it changes process-wide state).
+  are not compared.
+
+Each variant runs in a fresh interpreter, one after another, so a crash costs only its own figures.
 
 Every variant plays the same rollouts at step 1 (same seeds, same weights: LoRA adapters start at
 zero and a value head at zero, shared or not), so its step-1 losses must equal the first
@@ -35,6 +37,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,6 +97,21 @@ def measure(args: argparse.Namespace, dtype: str, variant: list[str]) -> tuple[d
     return figures, rows[0]
 
 
+def run_child(args: argparse.Namespace, name: str, dtype: str) -> dict:
+    """`measure` of one variant in a fresh interpreter (the same settings): its figures and step-1
+    row, or the error it ended with."""
+    argv = [f"--model={args.model}", f"--env={args.env}", f"--steps={args.steps}", f"--groups={args.groups}",
+            f"--group-size={args.group_size}", f"--max-new-tokens={args.max_new_tokens}",
+            f"--max-turns={args.max_turns}"]
+    proc = subprocess.run([sys.executable, __file__, *argv, "--child", name, "--child-dtype", dtype],
+                          capture_output=True, text=True, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-3:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(lines[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -107,7 +125,13 @@ def main() -> None:
                         help="model.dtype to measure (repeatable; default auto: what this CPU runs faster)")
     parser.add_argument("--variant", action="append", choices=tuple(VARIANTS),
                         help="variants to measure (repeatable; default all)")
+    parser.add_argument("--child", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--child-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        figures, first_row = measure(args, args.child_dtype, VARIANTS[args.child])
+        print(json.dumps({"figures": figures, "first_row": first_row}))
+        return
 
     import torch
 
@@ -126,10 +150,11 @@ def main() -> None:
                 continue  # sampler log-probs are for fp32 only
             if name == "packed_vllm" and (importlib.util.find_spec("vllm") is None or resolved != "float32"):
                 continue  # vLLM rollouts where vLLM is installed, in fp32 (its CPU build's precision here)
-            try:
-                runs[name], first_rows[name] = measure(args, dtype, VARIANTS[name])
-            except Exception as error:  # noqa: BLE001 - one variant failing keeps the others' figures
-                failed[name] = f"{type(error).__name__}: {error}"
+            outcome = run_child(args, name, dtype)  # one variant failing, even crashing, keeps the others' figures
+            if "error" in outcome:
+                failed[name] = outcome["error"]
+            else:
+                runs[name], first_rows[name] = outcome["figures"], outcome["first_row"]
         base = next(iter(runs))
         for name, figures in runs.items():
             figures["step1_ppo_kl"] = first_rows[name]["ppo_kl"]
