@@ -57,7 +57,8 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 # The whole recipe on the bundled model (configs/demo.yaml): RandSFT data, clean, SFT, PPO, and the
-# eval of the arms base, spa_sft and spa; the table is runs/demo/table.md. Reruns skip what is done.
+# eval of the arms base, spa_sft (also with the world-model prompt) and spa; the table is
+# runs/demo/table.md. Reruns skip what is done.
 demo: install
 	$(BIN)/spa pipeline --config configs/demo.yaml
 
