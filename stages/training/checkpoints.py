@@ -145,14 +145,14 @@ def save_hf_checkpoint(engine, model, tokenizer, path: str | Path, dist: Dist) -
 def write_pretrained(model, tokenizer, path: Path, state_dict: dict | None = None) -> None:
     """`save_pretrained` into a temp directory beside `path`, then renamed in; LoRA adapters are
     merged, so that `AutoModelForCausalLM.from_pretrained` loads it as a plain model."""
-    if _is_peft(model):
+    if is_peft(model):
         state_dict, model = merged_lora_state_dict(model), model.get_base_model()
     with artifacts.atomic_dir(path) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
 
-def _is_peft(model) -> bool:
+def is_peft(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 

@@ -18,6 +18,7 @@ from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.common.models import load_model, pick_device, pick_dtype
 from stages.training import engine as eng
+from stages.training.checkpoints import is_peft
 
 if TYPE_CHECKING:
     from stages.common.config import ModelConfig
@@ -96,7 +97,7 @@ def add_lora(model, rank: int, alpha: int):
 def inner_lm(model):
     """The transformers model inside a peft wrapper (its LoRA layers sit in it), or `model` itself:
     what forward passes and generation call directly."""
-    return model.get_base_model() if hasattr(model, "peft_config") else model
+    return model.get_base_model() if is_peft(model) else model
 
 
 def disable_dropout(model) -> None:
