@@ -51,7 +51,7 @@ equal its stages, and take the variant's name where they differ. Layout of `pipe
     table.md                     the comparison, laid out like the paper's Table 2
     curves.png                   the training curves of sft/ and ppo/ (`spa plot`)
     pass_at_k.png                the Pass@k curves of the arms, with 95% bands
-    pipeline_state.json          the stages completed, under which fingerprint
+    pipeline_state.json          the stages completed, under which fingerprint, in how many seconds
 
 A stage is skipped when it completed before with the same fingerprint: the config sections it
 reads plus the hashes of its inputs. A stage that started but did not finish is resumed (every stage
@@ -70,6 +70,7 @@ import json
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -573,6 +574,10 @@ def stage_outputs(stage: Stage) -> list[Path]:
     return [out, *out.parent.glob(f"{out.stem}.*")]
 
 
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
 def run(config: SPAConfig) -> dict[str, Any]:
     """Run (or continue) every stage of every arm; return the comparison and what was skipped."""
     from stages.agent.backends import check_backend
@@ -601,10 +606,14 @@ def run(config: SPAConfig) -> dict[str, Any]:
         console.result(f"[pipeline] {stage.name} ({', '.join(stage.arms)}): {'resuming' if resume else 'running'}")
         state[stage.name] = {"fingerprint": key, "complete": False}
         artifacts.write_json(state_path, state)
+        start = time.perf_counter()
         _runner(stage.kind)(copy.deepcopy(stage.config), resume, console)
         _release_memory()
-        state[stage.name]["complete"] = True
+        # the wall time of the call that completed it (a resumed stage's earlier calls are not in it)
+        seconds = round(time.perf_counter() - start, 1)
+        state[stage.name] |= {"complete": True, "seconds": seconds, "resumed": resume}
         artifacts.write_json(state_path, state)
+        console.result(f"[pipeline] {stage.name}: done in {_minutes(seconds)}{' (resumed)' if resume else ''}")
     table = write_table(the_plan)
     console.result(table)
     write_plots(the_plan)
@@ -681,11 +690,24 @@ def write_table(the_plan: Plan) -> str:
         if with_ppl:
             figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
         figures += [difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"])]
-        lines.append(f"| {labels[name]} | " + " | ".join(figures) + " |")
+        lines.append(f"| {labels[name]}{_stopped_early(the_plan.rows[name])} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"
     with artifacts.atomic_write(the_plan.dir / "table.md") as handle:
         handle.write(table)
     return table
+
+
+def _stopped_early(row: Stage) -> str:
+    """A note for an arm whose PPO stopped early (`ppo.stop_without_spread`), else ""."""
+    from stages.training.checkpoints import RunDir
+
+    stage = row
+    while stage is not None and stage.kind != "ppo":
+        stage = stage.upstream
+    saved = RunDir(stage.config.ppo.out, "ppo").progress() if stage is not None else None
+    if not saved or not saved.get("stopped"):
+        return ""
+    return f" (PPO stopped at step {saved['step']} of {stage.config.ppo.steps}: no reward spread)"
 
 
 def write_plots(the_plan: Plan) -> None:

@@ -289,6 +289,7 @@ def test_every_stage_writes_its_artifacts(finished, tiny_model_dir):
     assert {r["metrics"]["episodes"] for r in reports.values()} == {4}  # 2 seeds x 2 samples each
     state = json.loads((run_dir / pipeline.STATE_FILE).read_text())
     assert list(state) == STAGES and all(entry["complete"] for entry in state.values())
+    assert all(entry["seconds"] > 0 and entry["resumed"] is False for entry in state.values())
 
 
 def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
@@ -376,3 +377,19 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
     result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]"))
     assert result["skipped"] == ["generate/selfplay", "clean/selfplay", "sft/spa"]
     assert (run_dir / "eval" / "spa.json").is_file()
+
+
+def test_the_table_notes_an_arm_whose_ppo_stopped_early(tmp_path):
+    from stages.pipeline import Stage, _stopped_early
+
+    config = load_config(None, [f"ppo.out={tmp_path / 'ppo'}", "ppo.steps=8"])
+    ppo_stage = Stage("ppo", "vanilla_rl", config, None, "k")
+    row = Stage("eval", "vanilla_rl", config, ppo_stage, "k2")
+    assert _stopped_early(row) == ""  # not run yet
+    state = tmp_path / "ppo" / "trainer_state"
+    state.mkdir(parents=True)
+    (state / "progress.json").write_text(json.dumps({"step": 8, "seed_counter": 64, "stopped": False}))
+    assert _stopped_early(row) == ""
+    (state / "progress.json").write_text(json.dumps({"step": 3, "seed_counter": 24, "stopped": True}))
+    assert _stopped_early(row) == " (PPO stopped at step 3 of 8: no reward spread)"
+    assert _stopped_early(Stage("eval", "base", config, None, "k3")) == ""  # an arm without PPO

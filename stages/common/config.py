@@ -266,6 +266,12 @@ class PPOConfig(_Section):
     #: the logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout's own, which
     #: saves that pass; fp32 only, with top_p 1 and the assistant loss mask, where they agree).
     old_logprobs: Literal["trainer", "sampler"] = "trainer"
+    #: With one mini-batch a step (``mini_batch`` = the kept episodes), the update's first forward
+    #: still runs the weights that played: its own log-probs and values, detached, are the old ones
+    #: (no scoring pass; verl's on-policy shortcut). The first epoch then holds every micro-batch's
+    #: activations at once (the advantages need every value before any loss), so
+    #: ``micro_batch_tokens`` no longer bounds its memory.
+    score_in_update: bool = False
     #: LoRA adapters of this rank on every linear layer of actor and critic (0: full fine-tuning).
     #: The base weights stay frozen: no weight gradients, no optimizer state for them; the
     #: checkpoints are merged. LoRA usually wants a larger actor_lr than full fine-tuning.
@@ -289,6 +295,10 @@ class PPOConfig(_Section):
     val_every: int = setting(10, ge=0)
     #: Write an HF checkpoint step-N/ every N steps (final/ is always written).
     save_every: int = setting(100, ge=1)
+    #: Stop (writing final/) after this many steps in a row in which no group's episodes scored
+    #: differently: PPO then learns only from the critic's errors, e.g. from a model that never
+    #: writes the format. 0 never stops early.
+    stop_without_spread: int = setting(0, ge=0)
     seed: int = setting(1, ge=0)
     resume: bool = False
 

@@ -287,16 +287,22 @@ def score(forward: Any, micros: list[tuple[list[list[Sample]], float]], fields: 
     (None skips an output): log-probs from a policy, values from the critic, both from a policy
     with its value head (``options``: ``with_values=True``). Fillers (weight 0) run and are discarded."""
     for micro, weight in micros:
-        out = forward(**collate(micro, device, pad_id), **options)
-        outputs = out if isinstance(out, tuple) else (out,)
-        if weight == 0:
+        if weight:
+            fill_scores(micro, fields, forward(**collate(micro, device, pad_id), **options))
+        else:
+            forward(**collate(micro, device, pad_id), **options)
+
+
+def fill_scores(micro: list[list[Sample]], fields: tuple[str | None, ...], out: Any) -> None:
+    """Set the sample attributes ``fields`` of a micro-batch's samples from a forward's outputs
+    (one tensor or a tuple, in `collate`'s order; None skips an output), detached, on the CPU."""
+    outputs = out if isinstance(out, tuple) else (out,)
+    ordered = [sample for row in micro for sample in row]
+    for field, output in zip(fields, outputs, strict=False):
+        if field is None:
             continue
-        ordered = [sample for row in micro for sample in row]
-        for field, output in zip(fields, outputs, strict=False):
-            if field is None:
-                continue
-            for sample, part in zip(ordered, output.float().cpu().split(step_count(micro)), strict=True):
-                setattr(sample, field, part)
+        for sample, part in zip(ordered, output.detach().float().cpu().split(step_count(micro)), strict=True):
+            setattr(sample, field, part)
 
 
 def compute_advantages(samples: list[Sample], ppo: PPOConfig) -> None:
