@@ -188,6 +188,10 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
         raise UserError(f"ppo.score_in_update takes the old log-probs and values from the update's first forward, "
                         f"which needs one mini-batch a step: ppo.mini_batch={ppo.mini_batch}, but {kept} episodes "
                         f"are kept; set ppo.mini_batch={kept} or ppo.score_in_update=false")
+    if ppo.score_in_update and ppo.zero_stage == 3:
+        raise UserError("ppo.score_in_update holds several forwards of the actor before their backwards, which "
+                        "ZeRO-3's sharded parameters do not allow (the gradients come out wrong); use "
+                        "ppo.zero_stage 0-2, or ppo.score_in_update=false")
     check_backend(config.model, rollout)  # vLLM installed, the model's architecture, the memory
     if world > 1:
         _check_world(config, world)

@@ -270,7 +270,7 @@ class PPOConfig(_Section):
     #: still runs the weights that played: its own log-probs and values, detached, are the old ones
     #: (no scoring pass; verl's on-policy shortcut). The first epoch then holds every micro-batch's
     #: activations at once (the advantages need every value before any loss), so
-    #: ``micro_batch_tokens`` no longer bounds its memory.
+    #: ``micro_batch_tokens`` no longer bounds its memory. Not under ZeRO-3.
     score_in_update: bool = False
     #: LoRA adapters of this rank on every linear layer of actor and critic (0: full fine-tuning).
     #: The base weights stay frozen: no weight gradients, no optimizer state for them; the
