@@ -160,8 +160,8 @@ def test_scores_from_the_first_forward_train_what_a_scoring_pass_trains(tiny_mod
 
 @pytest.mark.parametrize("overrides, message", [
     (["ppo.critic=shared", "ppo.advantage=grpo"], r"ppo.critic=shared puts a value head on the actor, and ppo"),
-    (["ppo.score_in_update=true"], r"ppo.score_in_update .* one mini-batch a step: ppo.mini_batch=2, but 4 .*"
-                                   r"set ppo.mini_batch=4"),
+    (["ppo.score_in_update=true"], (r"ppo.score_in_update .* one mini-batch a step: ppo.mini_batch=2, but 4 .*"
+                                    r"set ppo.mini_batch=4")),
     (["ppo.score_in_update=true", "ppo.mini_batch=4", "ppo.zero_stage=3"],
      r"ppo.score_in_update holds several forwards .* ZeRO-3.* use ppo.zero_stage 0-2"),
     (["ppo.lora_rank=8", "ppo.zero_stage=3"], r"ppo.lora_rank > 0 .* use ppo.zero_stage 0-2"),
