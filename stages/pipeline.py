@@ -79,7 +79,7 @@ from typing import Any
 from stages.agent.env_manager import check_modes
 from stages.common import artifacts, distributed, spa_data, tracking
 from stages.common.config import EnvConfig, SPAConfig, from_dict, with_overrides
-from stages.common.console import Console
+from stages.common.console import Console, duration
 from stages.common.errors import UserError
 from stages.common.models import check_model_name
 
@@ -574,10 +574,6 @@ def stage_outputs(stage: Stage) -> list[Path]:
     return [out, *out.parent.glob(f"{out.stem}.*")]
 
 
-def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-
-
 def run(config: SPAConfig) -> dict[str, Any]:
     """Run (or continue) every stage of every arm; return the comparison and what was skipped."""
     from stages.agent.backends import check_backend
@@ -613,7 +609,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
         seconds = round(time.perf_counter() - start, 1)
         state[stage.name] |= {"complete": True, "seconds": seconds, "resumed": resume}
         artifacts.write_json(state_path, state)
-        console.result(f"[pipeline] {stage.name}: done in {_minutes(seconds)}{' (resumed)' if resume else ''}")
+        console.result(f"[pipeline] {stage.name}: done in {duration(seconds)}{' (resumed)' if resume else ''}")
     table = write_table(the_plan)
     console.result(table)
     write_plots(the_plan)

@@ -108,7 +108,7 @@ from stages.agent.env_manager import check_modes
 from stages.agent.proxy import play
 from stages.agent.states import StateReward
 from stages.common import distributed, tracking
-from stages.common.config import SPAConfig, to_dict
+from stages.common.config import PPOConfig, SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.distributed import Dist
 from stages.common.errors import UserError
@@ -366,19 +366,18 @@ def _score_first_forward(models: Models, samples: list[Sample], parts: list[list
     whose detached log-probs and values are the old ones, since no weight has moved since the
     rollouts; then the advantages of the whole batch, which need every value before any loss.
     Returns each micro-batch's (actor, critic) outputs for its backward."""
-    from_sampler = _old_from_sampler(samples, config.ppo)
-    fields = ([] if from_sampler else ["old_logprobs"]) + (["values"] if models.shared_critic else [])
+    scored = _policy_fields(_old_from_sampler(samples, config.ppo), models.shared_critic)
     outputs = []
     for (rows, weight), batch in zip(micros, batches, strict=True):
         actor_out = _actor_forward(models, batch)
         critic_out = models.critic_engine(**batch) if models.critic_engine is not None else None
         if weight:
-            fill_scores(rows, (None if from_sampler else "old_logprobs", None,
-                               "values" if models.shared_critic else None), actor_out)
+            fill_scores(rows, scored, actor_out)
             if critic_out is not None:
                 fill_scores(rows, ("values",), critic_out)
         outputs.append((actor_out, critic_out))
-    _exchange(samples, parts, fields + (["values"] if models.critic_engine is not None else []), models.dist)
+    fields = [field for field in scored if field] + (["values"] if models.critic_engine is not None else [])
+    _exchange(samples, parts, fields, models.dist)
     compute_advantages(samples, config.ppo)
     return outputs
 
@@ -522,9 +521,9 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
                 score(models.reference, micros, ("ref_logprobs",), device, pad_id)
     with timer("values"):
         if by_trainer and models.shared_critic:
-            fields += ["values"] if from_sampler else ["old_logprobs", "values"]
-            score(models.actor_engine, micros, (None if from_sampler else "old_logprobs", None, "values"), device,
-                  pad_id, with_values=True)
+            scored = _policy_fields(from_sampler, with_values=True)
+            fields += [field for field in scored if field]
+            score(models.actor_engine, micros, scored, device, pad_id, with_values=True)
         elif by_trainer and models.critic_engine is not None:
             fields.append("values")
             models.critic_engine.module.eval()
@@ -534,8 +533,14 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
             _exchange(samples, parts, fields, dist)
 
 
-def _old_from_sampler(samples: list[Sample], ppo: Any) -> bool:
+def _old_from_sampler(samples: list[Sample], ppo: PPOConfig) -> bool:
     return ppo.old_logprobs == "sampler" and all(s.sampler_logprobs is not None for s in samples)
+
+
+def _policy_fields(from_sampler: bool, with_values: bool) -> tuple[str | None, str | None, str | None]:
+    """The sample fields a policy pass's (log-probs, entropies, values) fill: no old log-probs
+    when the sampler gave them, values only from a shared critic's head."""
+    return None if from_sampler else "old_logprobs", None, "values" if with_values else None
 
 
 def _exchange(samples: list[Sample], parts: list[list[Sample]], fields: list[str], dist: Dist) -> None:
@@ -730,10 +735,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
 
 def _any_spread(figures: list[dict[str, Any]]) -> bool:
     """Whether some group's episodes scored differently (the filter's std is > 0 somewhere)."""
-    by_group: dict[int, set[float]] = {}
-    for figure in figures:
-        by_group.setdefault(figure["group"], set()).add(figure["score"])
-    return any(len(scores) > 1 for scores in by_group.values())
+    spreads = algos.group_spreads([f["score"] for f in figures], [f["group"] for f in figures])
+    return any(spread > 0 for spread in spreads.values())
 
 
 def _announce(config: SPAConfig, models: Models, step: int, resumed: bool, console: Console) -> None:

@@ -245,6 +245,14 @@ def groups_to_keep(num_groups: int, ratio: float) -> int:
     return kept
 
 
+def group_spreads(scores: list[float], groups: list[int]) -> dict[int, float]:
+    """The population std of each group's scores, the groups in first-appearance order."""
+    by_group: dict[int, list[float]] = {g: [] for g in dict.fromkeys(groups)}
+    for score, group in zip(scores, groups, strict=True):
+        by_group[group].append(score)
+    return {g: float(torch.tensor(s, dtype=torch.float64).std(unbiased=False)) for g, s in by_group.items()}
+
+
 def filter_groups(scores: list[float], groups: list[int], ratio: float) -> list[int]:
     """Keep the ``ratio`` of groups whose rewards vary the most; returns the kept episode indices.
 
@@ -252,11 +260,8 @@ def filter_groups(scores: list[float], groups: list[int], ratio: float) -> list[
     the group that appears first in ``groups``, so the choice is deterministic. Indices come back
     in their original order.
     """
-    order = list(dict.fromkeys(groups))  # groups in first-appearance order
-    by_group: dict[int, list[float]] = {g: [] for g in order}
-    for score, group in zip(scores, groups, strict=True):
-        by_group[group].append(score)
-    spread = {g: float(torch.tensor(s, dtype=torch.float64).std(unbiased=False)) for g, s in by_group.items()}
+    spread = group_spreads(scores, groups)
+    order = list(spread)  # groups in first-appearance order
     ranked = sorted(order, key=lambda g: -spread[g])  # sorted() is stable: ties stay in order
     kept = set(ranked[: groups_to_keep(len(order), ratio)])
     return [i for i, group in enumerate(groups) if group in kept]
