@@ -119,7 +119,8 @@ def test_tiny_run_writes_metrics_checkpoints_and_validation(two_steps, tokenizer
     state_dir = out / "trainer_state"
     for name in ("progress.json", "actor", "critic"):
         assert (state_dir / name).exists(), name
-    assert json.loads((state_dir / "progress.json").read_text()) == {"step": 2, "seed_counter": 4, "flat_steps": 2, "stopped": False}
+    progress = json.loads((state_dir / "progress.json").read_text())
+    assert progress == {"step": 2, "seed_counter": 4, "flat_steps": 2, "stopped": False}
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     initial = AutoModelForCausalLM.from_pretrained(ppo_model_dir(out))
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), initial.parameters()))  # it trained
