@@ -63,9 +63,10 @@ demo: install
 	$(BIN)/spa pipeline --config configs/demo.yaml
 
 # A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): the arms of its Table 2
-# (base, state_estimation, vanilla_rl, state_estimation_rl, vagen, spa_sft, spa) on Sokoban and
-# FrozenLake, 128 eval puzzles x 8 samples. Hours on 2 cores, not yet timed with these arms: run it
-# in the background (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
+# (base, state_estimation, vanilla_rl, state_estimation_rl, spa_sft, spa) and the masked-state
+# control (spa_masked_sft, spa_masked) on Sokoban and FrozenLake, 32 eval puzzles x 4 samples.
+# Over an hour a game on 2 cores, not yet timed end to end: run it in the background
+# (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
 repro-cpu: install
 	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml
