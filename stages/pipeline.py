@@ -642,13 +642,18 @@ def _runner(kind: str) -> Callable[[SPAConfig, bool, Console], Any]:
 def _release_memory() -> None:
     """Free what the finished stage held (its models) before the next stage loads its own: the
     stages run in this one process. A stage shuts down the vLLM engine it opened itself (`close`:
-    an in-process engine freezes the garbage collector's view of its objects until then)."""
+    an in-process engine freezes the garbage collector's view of its objects until then), and the
+    training engines it trained with (`close`). glibc keeps the freed heap otherwise: a finished PPO
+    stage of the 135M model left 2.9 GB resident, 0.55 GB once trimmed."""
+    import ctypes
     import gc
 
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+    with contextlib.suppress(OSError, AttributeError):  # glibc only
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _remove(paths: list[Path]) -> None:

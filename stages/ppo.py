@@ -669,7 +669,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
 
     tracker = tracking.start(config, run_dir.out, "ppo", step if saved is not None else None, console,
                              main=dist.main)
-    with run_dir.metrics_log(dist) as log, tracker, console.progress("ppo", ppo.steps, step) as bar:
+    with _closing(models, backend), run_dir.metrics_log(dist) as log, tracker, \
+            console.progress("ppo", ppo.steps, step) as bar:
         if step == 0 and ppo.val_every:
             with _autocast(models.actor_engine):
                 row = {"step": 0, **validate(config, backend, models, 0)}
@@ -724,13 +725,25 @@ def run(config: SPAConfig) -> dict[str, Any]:
             elif step % ppo.save_every == 0:
                 save_checkpoint(run_dir, f"step-{step}", models, progress)
             bar.update(step, f"reward {row['reward']:.3f} success {row['success']:.2f}")
-    backend.close()
     if stopped:
         console.say(f"ppo: stopped after step {step} of {ppo.steps}: no group's rewards differed in the last "
                     f"{flat_steps} steps (ppo.stop_without_spread)")
     console.say(f"ppo: {step} steps done; final checkpoint {run_dir.final}, metrics {run_dir.metrics}")
     return {"out": str(run_dir.out), "steps": step, "stopped_early": stopped, "final": str(run_dir.final),
             "last": _finite_or_none(last)}
+
+
+@contextlib.contextmanager
+def _closing(models: Models, backend: Any) -> Iterator[None]:
+    """Shut the rollout engine and the training engines down when the run ends, however it ends
+    (`spa pipeline` runs the next stage in this process)."""
+    try:
+        yield
+    finally:
+        backend.close()
+        models.actor_engine.close()
+        if models.critic_engine is not None:
+            models.critic_engine.close()
 
 
 def _any_spread(figures: list[dict[str, Any]]) -> bool:

@@ -208,8 +208,11 @@ class _Trainer:
         self._announce(progress, saved is not None)
         resumed_after = progress.global_step if saved is not None else None
         tracker = tracking.start(self.config, self.run_dir.out, "sft", resumed_after, self.console, self.dist.main)
-        with self.run_dir.metrics_log(self.dist) as metrics, tracker:
-            return self._epochs(progress, metrics, tracker)
+        try:
+            with self.run_dir.metrics_log(self.dist) as metrics, tracker:
+                return self._epochs(progress, metrics, tracker)
+        finally:
+            self.engine.close()  # `spa pipeline` runs the next stage in this process
 
     def _restore(self) -> Progress:
         import torch

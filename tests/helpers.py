@@ -117,3 +117,13 @@ def png_size(path) -> tuple[int, int]:
     data = Path(path).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
+
+
+def live_modules() -> int:
+    """How many torch modules are still alive (after a full garbage collection)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    return sum(isinstance(obj, torch.nn.Module) for obj in gc.get_objects())

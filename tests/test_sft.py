@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import live_modules, tiny_model
 
 from stages import sft
 from stages.common.config import load_config
@@ -389,6 +389,12 @@ def test_deepspeed_zero2_matches_plain_torch_and_resumes_exactly(data, tiny_dir,
     sft.run(make_config(data, tiny_dir, out, zero_stage=2, stop_after_steps=2))
     sft.run(make_config(data, tiny_dir, out, zero_stage=2, resume=True))
     assert losses(out) == losses(straight)
+
+
+def test_a_finished_run_leaves_no_model_behind(data, tiny_dir, tmp_path):
+    before = live_modules()
+    sft.run(make_config(data, tiny_dir, tmp_path / "run", zero_stage=2))
+    assert live_modules() == before
 
 
 def test_bfloat16_on_the_cpu_trains_fp32_weights_under_autocast(data, tiny_dir, tmp_path):

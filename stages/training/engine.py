@@ -295,6 +295,9 @@ class TorchEngine:
         for name, param in module.named_parameters():
             yield name, param.detach()
 
+    def close(self) -> None:
+        """Nothing outside this object holds the model or the optimizer state."""
+
 
 class DeepSpeedEngine:
     """A `deepspeed.initialize` engine driven with caller-owned gradient accumulation."""
@@ -321,6 +324,12 @@ class DeepSpeedEngine:
     def __call__(self, **inputs):
         with autocast(self.device, self.autocast_dtype):
             return self.engine(**inputs)
+
+    def close(self) -> None:
+        """Release the model and optimizer state: ZeRO's gradient hooks on the parameters keep the
+        optimizer (and through it the engine) alive after the run otherwise, so a second stage in
+        the same process (`spa pipeline`) would hold every earlier stage's weights and Adam state."""
+        self.engine.destroy()
 
     def backward(self, loss, last: bool = True) -> None:
         # ZeRO averages gradients over ranks; the caller's loss is already normalised globally.
