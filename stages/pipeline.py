@@ -699,16 +699,23 @@ def write_table(the_plan: Plan) -> str:
 
 
 def _stopped_early(row: Stage) -> str:
-    """A note for an arm whose PPO stopped early (`ppo.stop_without_spread`), else ""."""
+    """A note for an arm whose PPO stopped early (`ppo.stop_without_spread`), else "". Read from
+    the metrics, which outlive trainer_state/ (deleted to free the disk once a run is done)."""
     from stages.training.checkpoints import RunDir
 
     stage = row
     while stage is not None and stage.kind != "ppo":
         stage = stage.upstream
-    saved = RunDir(stage.config.ppo.out, "ppo").progress() if stage is not None else None
-    if not saved or not saved.get("stopped"):
+    metrics = RunDir(stage.config.ppo.out, "ppo").metrics if stage is not None else None
+    if metrics is None or not metrics.is_file():
         return ""
-    return f" (PPO stopped at step {saved['step']} of {stage.config.ppo.steps}: no reward spread)"
+    rows = artifacts.read_jsonl(metrics, skip_bad=True)[0]
+    ppo = stage.config.ppo
+    last = rows[-1] if rows else {}
+    flat = 0 < ppo.stop_without_spread <= last.get("steps_without_spread", 0)
+    if not flat or last["step"] >= ppo.steps:
+        return ""
+    return f" (PPO stopped at step {last['step']} of {ppo.steps}: no reward spread)"
 
 
 def write_plots(the_plan: Plan) -> None:

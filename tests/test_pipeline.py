@@ -382,14 +382,21 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
 def test_the_table_notes_an_arm_whose_ppo_stopped_early(tmp_path):
     from stages.pipeline import Stage, _stopped_early
 
-    config = load_config(None, [f"ppo.out={tmp_path / 'ppo'}", "ppo.steps=8"])
+    config = load_config(None, [f"ppo.out={tmp_path / 'ppo'}", "ppo.steps=8", "ppo.stop_without_spread=3"])
     ppo_stage = Stage("ppo", "vanilla_rl", config, None, "k")
     row = Stage("eval", "vanilla_rl", config, ppo_stage, "k2")
     assert _stopped_early(row) == ""  # not run yet
-    state = tmp_path / "ppo" / "trainer_state"
-    state.mkdir(parents=True)
-    (state / "progress.json").write_text(json.dumps({"step": 8, "seed_counter": 64, "stopped": False}))
+    metrics = tmp_path / "ppo" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+
+    def ran(*flat_steps):
+        metrics.write_text("".join(json.dumps({"step": i + 1, "steps_without_spread": n}) + "\n"
+                                   for i, n in enumerate(flat_steps)))
+
+    ran(0, 1, 2, 3, 4, 5, 6, 7)  # all 8 steps: flat at the end, but not stopped
     assert _stopped_early(row) == ""
-    (state / "progress.json").write_text(json.dumps({"step": 3, "seed_counter": 24, "stopped": True}))
-    assert _stopped_early(row) == " (PPO stopped at step 3 of 8: no reward spread)"
+    ran(0, 1, 2)  # cut after step 3 (to be resumed): not a stop by the setting
+    assert _stopped_early(row) == ""
+    ran(1, 0, 1, 2, 3)
+    assert _stopped_early(row) == " (PPO stopped at step 5 of 8: no reward spread)"
     assert _stopped_early(Stage("eval", "base", config, None, "k3")) == ""  # an arm without PPO
