@@ -701,19 +701,18 @@ def write_table(the_plan: Plan) -> str:
 def _stopped_early(row: Stage) -> str:
     """A note for an arm whose PPO stopped early (`ppo.stop_without_spread`), else "". Read from
     the metrics, which outlive trainer_state/ (deleted to free the disk once a run is done)."""
+    from stages.ppo import stops_without_spread
     from stages.training.checkpoints import RunDir
 
     stage = row
     while stage is not None and stage.kind != "ppo":
         stage = stage.upstream
     metrics = RunDir(stage.config.ppo.out, "ppo").metrics if stage is not None else None
-    if metrics is None or not metrics.is_file():
+    rows = artifacts.read_jsonl(metrics, skip_bad=True)[0] if metrics is not None and metrics.is_file() else []
+    if not rows:
         return ""
-    rows = artifacts.read_jsonl(metrics, skip_bad=True)[0]
-    ppo = stage.config.ppo
-    last = rows[-1] if rows else {}
-    flat = 0 < ppo.stop_without_spread <= last.get("steps_without_spread", 0)
-    if not flat or last["step"] >= ppo.steps:
+    ppo, last = stage.config.ppo, rows[-1]
+    if last["step"] >= ppo.steps or not stops_without_spread(ppo, last.get("steps_without_spread", 0)):
         return ""
     return f" (PPO stopped at step {last['step']} of {ppo.steps}: no reward spread)"
 

@@ -689,7 +689,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             with timer("exchange"):
                 figures, kept = keep_groups(episodes, ppo.filter_ratio, dist)
             flat_steps = 0 if _any_spread(figures) else flat_steps + 1
-            stopped = 0 < ppo.stop_without_spread <= flat_steps
+            stopped = stops_without_spread(ppo, flat_steps)
             if system_length is None:
                 system_length = system_prompt_length(tokenizer, kept[0].token_ids)
             samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
@@ -744,6 +744,11 @@ def _closing(models: Models, backend: Any) -> Iterator[None]:
         models.actor_engine.close()
         if models.critic_engine is not None:
             models.critic_engine.close()
+
+
+def stops_without_spread(ppo: PPOConfig, flat_steps: int) -> bool:
+    """Whether `flat_steps` steps in a row without any reward spread end the run."""
+    return 0 < ppo.stop_without_spread <= flat_steps
 
 
 def _any_spread(figures: list[dict[str, Any]]) -> bool:
