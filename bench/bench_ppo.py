@@ -9,7 +9,7 @@ medians over the rest. Variants (`ppo.*` settings):
 * ``unpacked``: every episode its own sequence in the actor, critic and reference passes, old
   log-probs from a trainer pass (the passes before `ppo.pack_groups`);
 * ``packed``: a group's episodes in one sequence, their shared first prompt computed once
-  (`ppo.pack_groups`, the default);
+  (`ppo.pack_groups`, the default), its attention block by block (no masked block computed);
 * ``packed_sampler_logprobs``: packed, and the old log-probs taken from the sampler
   (`ppo.old_logprobs=sampler`; fp32 only);
 * ``packed_lora``: packed, LoRA adapters (rank 16) on actor and critic instead of full

@@ -223,9 +223,9 @@ def test_grouped_heads_decode_as_with_eager_attention():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.common.models import _use_single_query_sdpa
+    from stages.common.models import _use_spa_sdpa
 
-    _use_single_query_sdpa()
+    _use_spa_sdpa()
     config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
                          pad_token_id=0, eos_token_id=1, bos_token_id=2)

@@ -1,5 +1,6 @@
 """Packing a group's episodes into one sequence (their shared first prompt once): the actor's
-log-probs, the critic's values and the gradients equal the unpacked passes'."""
+log-probs, the critic's values and the gradients equal the unpacked passes', with the packed
+rows' attention computed block by block (`packed_attention`, as `load_model` sets SDPA up)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
+from stages.common import models
 from stages.training import ppo_algos as algos
 from stages.training.policy import StepPolicy, ValueModel
 from stages.training.ppo_samples import (
@@ -80,8 +82,38 @@ def test_micro_batches_pack_groups_within_the_token_budget():
     assert all(len(row) == 1 for micro in unpacked for row in micro)
 
 
+def test_packed_attention_equals_sdpa_under_the_packed_mask():
+    """Block by block (grouped heads: 6 query heads on 2 key/value heads; a padded row) gives the
+    outputs and input gradients of transformers' SDPA under `pack_row`'s dense mask, at every real
+    position; padding positions get zeros."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch = collate(micro_batches(two_groups(vocab=50), 4096, pack=True)[0], "cpu", PAD)
+    assert batch["segments"] == [(17, [5, 11]), (24, [9, 8, 14])]  # shortest row first
+    width = batch["input_ids"].shape[1]
+    real = torch.zeros(2, width, dtype=torch.bool)
+    real[0, :17 + 5 + 11], real[1] = True, True
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, heads, width, 8, generator=g, requires_grad=True) for heads in (6, 2, 2)]
+    weights = torch.randn(2, width, 6, 8, generator=g)
+    module = torch.nn.Module().train()
+    module.num_key_value_groups, module.is_causal = 3, True
+    outputs = []
+    for attend in (lambda q, k, v: sdpa_attention_forward(module, q, k, v, batch["attention_mask"], scaling=0.3)[0],
+                   lambda q, k, v: models.packed_attention(q, k, v, batch["segments"], scaling=0.3)[0]):
+        out = attend(*inputs)
+        grads = torch.autograd.grad((out * weights)[real].sum(), inputs)
+        outputs.append((out, grads))
+    (dense, dense_grads), (blocks, block_grads) = outputs
+    torch.testing.assert_close(blocks[real], dense[real], rtol=1e-5, atol=1e-6)
+    assert not blocks[~real].any()
+    for ours, stock in zip(block_grads, dense_grads, strict=True):
+        torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def networks(tokenizer):
+    models._use_spa_sdpa()  # as load_model does: packed rows take `packed_attention`
     torch.manual_seed(0)
     actor = tiny_model(tokenizer, seed=1)
     critic = ValueModel(tiny_model(tokenizer, seed=2))
@@ -98,6 +130,20 @@ def test_packed_scores_equal_unpacked(networks, tokenizer, field):
     score(forward, [(micro, 1.0) for micro in micro_batches(packed, 4096, pack=True)], (field,), "cpu", PAD)
     for a, b in zip(unpacked, packed, strict=True):
         torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_batches_take_the_block_by_block_attention(networks, tokenizer, monkeypatch):
+    original, calls = models.packed_attention, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3])  # the segments
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(models, "packed_attention", counted)
+    _, critic = networks
+    batch = collate(micro_batches(two_groups(len(tokenizer)), 4096, pack=True)[0], "cpu", PAD)
+    critic(**batch)
+    assert calls and all(segments == batch["segments"] for segments in calls)
 
 
 def test_packed_gradients_equal_unpacked(networks, tokenizer):

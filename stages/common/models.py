@@ -19,9 +19,17 @@ Decoding with SDPA under grouped-query attention: transformers before 5.20 (vllm
 5.16-5.19) copies every layer's whole KV cache `n_rep` times per generated token to line up the
 key/value heads with the query heads. On a 2-core CPU that copy, not the matmuls, was most of a
 decode step (hf engine 22 tok/s against 76 with transformers 5.23). `load_model` therefore
-registers `single_query_sdpa` under the name "sdpa" when the installed transformers lacks its own
-fix: a one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value head
-serves its `n_rep` query heads without copying the cache; every other call is transformers' SDPA.
+registers `spa_sdpa` under the name "sdpa": where the installed transformers lacks its own fix, a
+one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value head serves its
+`n_rep` query heads without copying the cache (`single_query_sdpa`).
+
+Packed training rows (PPO's `ppo.pack_groups`: a group's shared first prompt once, then each
+episode's own tokens) see each other only through a block-structured mask. Given as a dense mask,
+SDPA computes every block, masked or not: on the bundled model's packed Sokoban rows (a prompt of
+a few hundred tokens, then four episodes of ~200) about a third of that work is needed. A model call that passes
+``packed_segments`` (one ``(shared, [own lengths])`` per row, in `packed_attention`'s layout)
+gets attention computed block by block instead, with the same outputs; every other call is
+transformers' SDPA.
 """
 
 from __future__ import annotations
@@ -280,7 +288,7 @@ def load_model(config: ModelConfig, device: str | None = None, dtype: str | None
     path = resolve_model(config.name)
     device = pick_device(device or config.device)
     torch_dtype = pick_dtype(dtype or config.dtype, device)
-    _use_single_query_sdpa()
+    _use_spa_sdpa()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, attn_implementation=pick_attention(config.attn_implementation, device, torch_dtype),
@@ -289,6 +297,65 @@ def load_model(config: ModelConfig, device: str | None = None, dtype: str | None
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load a causal LM from {path!r}: {_first_line(err)}") from None
     return model.to(device), load_tokenizer(config.name, config.trust_remote_code)
+
+
+def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+             packed_segments=None, **kwargs):
+    """transformers' SDPA attention, computed block by block for packed rows (``packed_segments``,
+    see `packed_attention`) and without copying the KV cache for a one-token query under grouped
+    heads where transformers lacks that itself (`single_query_sdpa`). Same outputs."""
+    from transformers.integrations import sdpa_attention
+
+    if packed_segments is not None:
+        return packed_attention(query, key, value, packed_segments, scaling, dropout if module.training else 0.0)
+    if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
+        return single_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 is_causal=is_causal, **kwargs)
+    return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                                 scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def packed_attention(query, key, value, segments, scaling=None, dropout: float = 0.0):
+    """Attention of packed rows, one block at a time; returns ``([rows, T, heads, dim], None)``
+    like transformers' attention functions.
+
+    Row r of ``query``/``key``/``value`` (``[rows, heads or kv_heads, T, dim]``) holds ``shared``
+    tokens every member of the row sees, then each member's own tokens (``own`` lengths, in order),
+    then padding: ``segments[r] == (shared, [own, ...])``. The shared tokens attend causally among
+    themselves; a member's tokens attend to all shared tokens and causally to their own, never to
+    another member's. That is the mask `stages.training.ppo_samples.pack_row` writes (``shared`` 0:
+    independent causal rows one after another), but no masked block is computed. Padding positions
+    get zeros.
+    """
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+
+    def attend(q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                              scale=scaling)
+
+    rows = []
+    for r, (shared, owns) in enumerate(segments):
+        q, k, v = query[r:r + 1], key[r:r + 1], value[r:r + 1]
+        blocks = [attend(q[:, :, :shared], k[:, :, :shared], v[:, :, :shared])] if shared else []
+        start = shared
+        for own in owns:
+            end = start + own
+            if shared:  # all of the shared part, then causal within its own tokens
+                mask = torch.ones(own, shared + own, dtype=torch.bool, device=q.device).tril(diagonal=shared)
+                blocks.append(attend(q[:, :, start:end], torch.cat([k[:, :, :shared], k[:, :, start:end]], dim=2),
+                                     torch.cat([v[:, :, :shared], v[:, :, start:end]], dim=2), mask))
+            else:
+                blocks.append(attend(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]))
+            start = end
+        if start < q.shape[2]:
+            blocks.append(q.new_zeros(1, q.shape[1], q.shape[2] - start, value.shape[-1]))
+        rows.append(torch.cat(blocks, dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
 
 
 def single_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -312,12 +379,10 @@ def single_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def _use_single_query_sdpa() -> None:
-    from transformers.integrations import sdpa_attention
+def _use_spa_sdpa() -> None:
     from transformers.modeling_utils import AttentionInterface
 
-    if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
-        AttentionInterface.register("sdpa", single_query_sdpa)
+    AttentionInterface.register("sdpa", spa_sdpa)
 
 
 def _first_line(err: BaseException) -> str:

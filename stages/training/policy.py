@@ -39,10 +39,9 @@ class StepPolicy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
                 cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False, with_values: bool = False,
-                position_ids: torch.Tensor | None = None):
+                position_ids: torch.Tensor | None = None, segments: list | None = None):
         """(log-probs, entropies or None, values or None) at the positions ``(rows, cols)``."""
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-                  "use_cache": False}
+        inputs = _model_inputs(input_ids, attention_mask, position_ids, segments)
         if self.plain_head:
             hidden = self.lm.base_model(**inputs).last_hidden_state[rows, cols]
             logits = self.lm.get_output_embeddings()(hidden)
@@ -78,10 +77,18 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
                 cols: torch.Tensor, position_ids: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).last_hidden_state
+                targets: torch.Tensor | None = None, segments: list | None = None) -> torch.Tensor:
+        hidden = self.body(**_model_inputs(input_ids, attention_mask, position_ids, segments)).last_hidden_state
         return self.value_head(hidden[rows, cols]).squeeze(-1).float()
+
+
+def _model_inputs(input_ids, attention_mask, position_ids, segments) -> dict:
+    """The model call's arguments; a packed batch's ``segments`` reach its attention as
+    ``packed_segments`` (`stages.common.models.packed_attention`; other attention kernels ignore
+    them and apply the mask)."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": False}
+    return inputs | {"packed_segments": segments} if segments is not None else inputs
 
 
 def _value_head(causal_lm: nn.Module) -> nn.Linear:

@@ -209,8 +209,9 @@ def pack_row(row: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def collate(rows: list[list[Sample]], device: Any, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ids with their attention mask (2D when every row is one sample, else the 4D
-    mask of `pack_row`) and position ids, and for every step, in row then sample order, its row,
-    the index that predicts it (``cols``) and its token (``targets``)."""
+    mask of `pack_row`, with each row's layout as ``segments``, which SDPA uses to skip the masked
+    blocks: `stages.common.models.packed_attention`) and position ids, and for every step, in row
+    then sample order, its row, the index that predicts it (``cols``) and its token (``targets``)."""
     if all(len(row) == 1 for row in rows):
         samples = [row[0] for row in rows]
         ids = nn.utils.rnn.pad_sequence([s.ids for s in samples], batch_first=True, padding_value=pad_id)
@@ -224,8 +225,10 @@ def collate(rows: list[list[Sample]], device: Any, pad_id: int) -> dict[str, tor
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     attention = torch.zeros((len(rows), 1, width, width), dtype=torch.bool)
-    row_of, cols, targets = [], [], []
+    row_of, cols, targets, segments = [], [], [], []
     for r, ((row_ids, row_positions, mask, where), row) in enumerate(zip(packed, rows, strict=True)):
+        shared = shared_prefix(row)
+        segments.append((shared, [len(sample.ids) - shared for sample in row]))
         length = len(row_ids)
         ids[r, :length], position_ids[r, :length], attention[r, 0, :length, :length] = row_ids, row_positions, mask
         attention[r, 0, length:, 0] = True  # padding rows attend to something: no all-masked softmax
@@ -235,7 +238,7 @@ def collate(rows: list[list[Sample]], device: Any, pad_id: int) -> dict[str, tor
             targets.append(sample.ids[sample.positions])
     return {"input_ids": ids.to(device), "attention_mask": attention.to(device),
             "position_ids": position_ids.to(device), "rows": torch.cat(row_of).to(device),
-            "cols": torch.cat(cols).to(device), "targets": torch.cat(targets).to(device)}
+            "cols": torch.cat(cols).to(device), "targets": torch.cat(targets).to(device), "segments": segments}
 
 
 def step_count(rows: list[list[Sample]]) -> list[int]:
