@@ -303,6 +303,7 @@ def resolve(config: SPAConfig, arm: Arm) -> list[Stage]:
             if arm.data_env:
                 played.env = EnvConfig(**copy.deepcopy(arm.data_env))
             played.rollout.groups = config.pipeline.data_groups
+            played.rollout.group_size = config.pipeline.data_group_size or played.rollout.group_size
             if (arm.data_policy or config.pipeline.data_policy) == "random":
                 played.rollout.backend = "random"
             played.generate.out = add("generate", played)

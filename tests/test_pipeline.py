@@ -152,6 +152,16 @@ def test_a_random_data_policy_plays_the_sft_data_with_random_actions():
     assert the_plan.rows["rand_sft"] is the_plan.rows["spa"]
 
 
+def test_the_data_plays_each_puzzle_data_group_size_times():
+    spa = plan_of("spa", sets=["pipeline.data_groups=64", "rollout.group_size=2", "ppo.mini_batch=16"])
+    once = plan_of("spa", sets=["pipeline.data_groups=64", "rollout.group_size=2", "ppo.mini_batch=16",
+                                "pipeline.data_group_size=1"])
+    assert [(p.stages[0].config.rollout.groups, p.stages[0].config.rollout.group_size) for p in (spa, once)] == [
+        (64, 2), (64, 1)]
+    assert once.stages[3].name == "ppo/spa" and once.stages[3].config.rollout.group_size == 2  # PPO's own groups
+    assert once.stages[0].key != spa.stages[0].key  # other data: its stages rerun
+
+
 def test_stage_ids_do_not_depend_on_which_arms_are_listed_or_their_order():
     alone = [s.name for s in plan_of("spa").stages]
     assert alone == ["generate/selfplay", "clean/selfplay", "sft/spa", "ppo/spa", "eval/spa"]

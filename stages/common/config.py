@@ -338,9 +338,12 @@ class PipelineConfig(_Section):
     #: or "random" (random actions, the paper's RandSFT; the bootstrap for models too weak to write
     #: the format). The rand_sft arm always plays random actions.
     data_policy: Literal["model", "random"] = "model"
-    #: Puzzles of the self-play data, each played rollout.group_size times (SPA: 5 batches of 32
+    #: Puzzles of the self-play data, each played `data_group_size` times (SPA: 5 batches of 32
     #: puzzles x 8 = 1280 trajectories); PPO draws its own rollout.groups per step.
     data_groups: int = setting(160, ge=1)
+    #: Episodes per puzzle of the self-play data; unset: rollout.group_size, as SPA. 1 plays each
+    #: puzzle once (as bench/wm_curve.py does): more distinct rooms for the same trajectories.
+    data_group_size: int | None = setting(None, ge=1)
 
 
 @dataclass
