@@ -26,10 +26,10 @@ one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value 
 Packed training rows (PPO's `ppo.pack_groups`: a group's shared first prompt once, then each
 episode's own tokens) see each other only through a block-structured mask. Given as a dense mask,
 SDPA computes every block, masked or not: on the bundled model's packed Sokoban rows (a prompt of
-a few hundred tokens, then four episodes of ~200) about a third of that work is needed. A model call that passes
-``packed_segments`` (one ``(shared, [own lengths])`` per row, in `packed_attention`'s layout)
-gets attention computed block by block instead, with the same outputs; every other call is
-transformers' SDPA.
+a few hundred tokens, then four episodes of ~200) about a third of that work is needed. A model
+call that passes ``packed_segments`` (one ``(shared, [own lengths])`` per row, in
+`packed_attention`'s layout) gets attention computed block by block instead, with the same
+outputs; every other call is transformers' SDPA.
 """
 
 from __future__ import annotations
