@@ -14,7 +14,8 @@ actions.
 
 Each run appends one JSON line per evaluated epoch to `--results` (default
 bench/wm_curve.jsonl) and prints it; `--plot` draws every line of that file as accuracy against
-SFT minutes. Not part of `make bench` (one point takes from minutes to hours on two cores):
+the SFT's computed tokens, an earlier round's included (its cost on any machine: the same two cores ran SFT at 94 to 127 tokens/s
+on different days, so minutes from different sessions do not compare). Not part of `make bench` (one point takes from minutes to hours on two cores):
 
     python bench/wm_curve.py --env sokoban --games 64 --epochs 3 --actions 1 1
     python bench/wm_curve.py --plot bench/wm_curve.png
@@ -59,6 +60,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
     ]))
     sft_seconds = time.perf_counter() - started
     metrics = [json.loads(line) for line in (work / "sft" / "metrics.jsonl").read_text().splitlines()]
+    prior_tokens = sft_computed_tokens(Path(args.from_model).parent / "metrics.jsonl")
     points = []
     for epoch in sorted(set(args.eval_epochs or [args.epochs])):
         checkpoint = work / "sft" / f"epoch-{epoch}"
@@ -75,6 +77,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             "epochs": args.epochs, "rows": cleaned["train_rows"], "lr": args.lr, "global_batch": args.global_batch,
             "sft_tokens": sum(m["tokens"] for m in upto), "sft_computed_tokens": sum(m.get("computed_tokens", m["tokens"])
                                                                                    for m in upto),
+            "prior_sft_computed_tokens": prior_tokens,
             "sft_seconds": round(sum(m["seconds"] for m in upto), 1), "sft_wall_s": round(sft_seconds, 1),
             "train_loss": upto[-1]["loss"], "format_valid": figures["format_valid_rate"],
             "observation_exact": wm["observation"]["exact_match"], "prediction_exact": wm["prediction"]["exact_match"],
@@ -87,6 +90,14 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             handle.write(json.dumps(point) + "\n")
         print(json.dumps(point), flush=True)
     return points
+
+
+def sft_computed_tokens(metrics: Path) -> int:
+    """Tokens an earlier `spa sft` run computed (0 for a model that none of ours trained): a point
+    that starts from one (a self-play round) has cost them too."""
+    if not metrics.is_file():
+        return 0
+    return sum(m.get("computed_tokens", m["tokens"]) for m in map(json.loads, metrics.read_text().splitlines()))
 
 
 def plot(results: Path, out: Path) -> None:
@@ -104,8 +115,9 @@ def plot(results: Path, out: Path) -> None:
             series.setdefault(point["name"], []).append(point)
         for name, run in sorted(series.items()):
             run.sort(key=lambda p: p["epoch"])
-            ax.plot([p["sft_seconds"] / 60 for p in run], [100 * (p[key] or 0) for p in run], marker="o", label=name)
-        ax.set(xlabel="SFT minutes (2 CPU cores)", ylabel=label, ylim=(0, 100))
+            cost = [(p.get("prior_sft_computed_tokens", 0) + p["sft_computed_tokens"]) / 1000 for p in run]
+            ax.plot(cost, [100 * (p[key] or 0) for p in run], marker="o", label=name)
+        ax.set(xlabel="SFT tokens computed (thousands)", ylabel=label, ylim=(0, 100))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="x-small")
     figure.tight_layout()
