@@ -14,8 +14,9 @@ actions.
 
 Each run appends one JSON line per evaluated epoch to `--results` (default
 bench/wm_curve.jsonl) and prints it; `--plot` draws every line of that file as accuracy against
-the SFT's computed tokens, an earlier round's included (its cost on any machine: the same two cores ran SFT at 94 to 127 tokens/s
-on different days, so minutes from different sessions do not compare). Not part of `make bench` (one point takes from minutes to hours on two cores):
+the SFT's computed tokens, an earlier round's included: its cost on any machine (the same two
+cores ran SFT at 94 to 127 tokens/s at different times, so minutes from different runs do not
+compare). Not part of `make bench` (one point takes from minutes to hours on two cores):
 
     python bench/wm_curve.py --env sokoban --games 64 --epochs 3 --actions 1 1
     python bench/wm_curve.py --plot bench/wm_curve.png
@@ -75,8 +76,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             "name": name, "env": args.env, "games": args.games, "actions": list(args.actions), "turns": args.turns,
             "unit": args.unit, "self_play": args.self_play, "from_model": args.from_model, "epoch": epoch,
             "epochs": args.epochs, "rows": cleaned["train_rows"], "lr": args.lr, "global_batch": args.global_batch,
-            "sft_tokens": sum(m["tokens"] for m in upto), "sft_computed_tokens": sum(m.get("computed_tokens", m["tokens"])
-                                                                                   for m in upto),
+            "sft_tokens": sum(m["tokens"] for m in upto), "sft_computed_tokens": computed_tokens(upto),
             "prior_sft_computed_tokens": prior_tokens,
             "sft_seconds": round(sum(m["seconds"] for m in upto), 1), "sft_wall_s": round(sft_seconds, 1),
             "train_loss": upto[-1]["loss"], "format_valid": figures["format_valid_rate"],
@@ -92,12 +92,18 @@ def run_point(args: argparse.Namespace) -> list[dict]:
     return points
 
 
+def computed_tokens(metrics: list[dict]) -> int:
+    """Tokens the SFT steps computed (merged turn rows compute fewer than they train; older
+    metrics record only `tokens`)."""
+    return sum(m.get("computed_tokens", m["tokens"]) for m in metrics)
+
+
 def sft_computed_tokens(metrics: Path) -> int:
     """Tokens an earlier `spa sft` run computed (0 for a model that none of ours trained): a point
     that starts from one (a self-play round) has cost them too."""
     if not metrics.is_file():
         return 0
-    return sum(m.get("computed_tokens", m["tokens"]) for m in map(json.loads, metrics.read_text().splitlines()))
+    return computed_tokens([json.loads(line) for line in metrics.read_text().splitlines()])
 
 
 def plot(results: Path, out: Path) -> None:
