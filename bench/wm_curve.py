@@ -4,7 +4,9 @@ A point is: `--games` RandSFT games (random actions, `--actions MIN MAX` a turn,
 turns, the true states filled in by `spa clean`, one row per `--unit`), world-model SFT of the
 bundled model for `--epochs` epochs, then the world-model accuracy of each epoch's checkpoint on
 unseen rooms (one sample each, the world-model prompt): well-formed turns,
-exact observations, exact predictions and prediction cells, with the SFT's wall time and tokens.
+exact observations, exact predictions and prediction cells, with the SFT's wall time and tokens;
+and, on the same rooms, its well-formed turns and successes with the base prompt (the prompt PPO
+and the eval arms use: the format learnt on one prompt need not carry over to the other).
 The rooms measured are tuning rooms (seeds 20000.. by default): unseen in training, and not the
 eval seeds 123.. that the reported results use, so that choosing configs from this curve tunes
 nothing on the eval set.
@@ -37,7 +39,7 @@ DEFAULT_RESULTS = ROOT / "bench" / "wm_curve.jsonl"
 
 
 def run_point(args: argparse.Namespace) -> list[dict]:
-    from stages import clean, evaluate, generate, sft
+    from stages import clean, generate, sft
     from stages.common.config import load_config
 
     name = args.name or (f"{args.env}-g{args.games}-a{args.actions[0]}-{args.actions[1]}-t{args.turns}-{args.unit}"
@@ -65,12 +67,10 @@ def run_point(args: argparse.Namespace) -> list[dict]:
     points = []
     for epoch in sorted(set(args.eval_epochs or [args.epochs])):
         checkpoint = work / "sft" / f"epoch-{epoch}"
-        report = evaluate.run(load_config(None, [
-            *common, f"model.name={checkpoint}", "eval.prompt_mode=world_model", f"eval.seeds={args.eval_seeds}",
-            f"eval.first_seed={args.tuning_seed}",
-            "eval.pass_k=1", f"eval.out={work}/eval/epoch-{epoch}.json", "eval.resume=true",
-        ]))
-        wm, figures = report["metrics"]["world_model"], report["metrics"]
+        figures = measure(args, common, checkpoint, "world_model", work / "eval" / f"epoch-{epoch}.json")
+        # the prompt PPO and the eval arms use: does the format the SFT taught carry over to it?
+        base = measure(args, common, checkpoint, "base", work / "eval" / f"epoch-{epoch}-base-prompt.json")
+        wm = figures["world_model"]
         upto = [m for m in metrics if m["epoch"] <= epoch]
         point = {
             "name": name, "env": args.env, "games": args.games, "actions": list(args.actions), "turns": args.turns,
@@ -83,6 +83,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             "observation_exact": wm["observation"]["exact_match"], "prediction_exact": wm["prediction"]["exact_match"],
             "prediction_cells": wm["prediction"]["cell_accuracy"], "observation_cells": wm["observation"]["cell_accuracy"],
             "success": figures["pass@1"], "eval_turns": sum(t["turns"] for t in wm["per_turn"]),
+            "base_prompt_format_valid": base["format_valid_rate"], "base_prompt_success": base["pass@1"],
             "eval_seeds": args.eval_seeds, "tuning_seed": args.tuning_seed, "final": trained.get("final"),
         }
         points.append(point)
@@ -90,6 +91,17 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             handle.write(json.dumps(point) + "\n")
         print(json.dumps(point), flush=True)
     return points
+
+
+def measure(args: argparse.Namespace, common: list[str], checkpoint: Path, prompt_mode: str, out: Path) -> dict:
+    """One sample of each tuning room with this prompt: the eval report's metrics."""
+    from stages import evaluate
+    from stages.common.config import load_config
+
+    return evaluate.run(load_config(None, [
+        *common, f"model.name={checkpoint}", f"eval.prompt_mode={prompt_mode}", f"eval.seeds={args.eval_seeds}",
+        f"eval.first_seed={args.tuning_seed}", "eval.pass_k=1", f"eval.out={out}", "eval.resume=true",
+    ]))["metrics"]
 
 
 def computed_tokens(metrics: list[dict]) -> int:
@@ -130,7 +142,7 @@ def plot(results: Path, out: Path) -> None:
     figure.savefig(out, dpi=120)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="sokoban")
     parser.add_argument("--games", type=int, default=64)
@@ -153,7 +165,11 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "runs" / "wm_curve"))
     parser.add_argument("--results", default=str(DEFAULT_RESULTS))
     parser.add_argument("--plot", type=Path, help="draw the results file into this PNG and exit")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.plot:
         return plot(Path(args.results), args.plot)
     run_point(args)

@@ -1,5 +1,6 @@
-"""bench/wm_curve.py's cost accounting: a point that starts from an earlier SFT run has cost that
-run's tokens too, so the curve places a self-play round at both rounds' tokens."""
+"""bench/wm_curve.py: its cost accounting (a point that starts from an earlier SFT run has cost that
+run's tokens too, so the curve places a self-play round at both rounds' tokens) and what it measures
+a checkpoint on (the tuning rooms, never the eval seeds)."""
 
 import importlib.util
 import json
@@ -24,3 +25,18 @@ def test_an_earlier_runs_computed_tokens_are_summed_and_a_hub_model_costs_none(t
     # computed tokens where recorded (merged turn rows compute fewer than they train), else tokens
     assert wm_curve.sft_computed_tokens((tmp_path / "sft" / "final").parent / "metrics.jsonl") == 1200
     assert wm_curve.sft_computed_tokens(Path("smollm2-135m").parent / "metrics.jsonl") == 0
+
+
+def test_a_checkpoint_is_measured_on_the_tuning_rooms_with_the_prompt_asked(tmp_path, monkeypatch):
+    from stages import evaluate
+
+    wm_curve = load_wm_curve()
+    seen = []
+    monkeypatch.setattr(evaluate, "run", lambda config: seen.append(config) or {"metrics": {"pass@1": 0.25}})
+    args = wm_curve.build_parser().parse_args(["--eval-seeds", "8", "--tuning-seed", "20000"])
+    metrics = wm_curve.measure(args, ["env.name=sokoban"], tmp_path / "epoch-2", "base", tmp_path / "base.json")
+    assert metrics == {"pass@1": 0.25}
+    (config,) = seen
+    assert (config.eval.prompt_mode, config.eval.seeds, config.eval.first_seed, config.eval.pass_k) == ("base", 8, 20000, 1)
+    assert config.model.name == str(tmp_path / "epoch-2") and config.eval.out == str(tmp_path / "base.json")
+
