@@ -8,6 +8,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+#: `model.dtype: auto` on a CPU is whatever a matmul probe finds faster on the machine; the tests
+#: that compare numbers across passes and processes (PPO's log-prob agreement, resumes, ranks)
+#: are written for fp32, so auto means fp32 here on every machine: in this process, in its
+#: module-scoped fixtures and in every process it starts. The probe's own tests unset it.
+os.environ["SPA_CPU_DTYPE"] = "float32"
 
 #: tests/vllm/ runs in pytest processes of its own (tests/test_vllm.py starts them, with this set):
 #: an in-process vLLM engine changes process-wide state that the other tests must not see.
@@ -26,15 +31,10 @@ def pytest_configure(config):
 
 
 @pytest.fixture(autouse=True)
-def float32_for_auto_on_cpu(request, monkeypatch):
-    """`model.dtype: auto` on a CPU is whatever a matmul probe finds faster on the machine; the
-    tests that compare numbers across passes (PPO's log-prob agreement) are written for fp32, so
-    in this process auto means fp32 on every machine. Tests marked `real_dtype_probe` (the probe's
-    own) and spa subprocesses see the real probe."""
-    if "real_dtype_probe" not in request.keywords:
-        from stages.common import models
-
-        monkeypatch.setattr(models, "cpu_auto_dtype", lambda: "float32")
+def unpinned_dtype_for_the_probe_tests(request, monkeypatch):
+    """Tests marked `real_dtype_probe` (the probe's own) see the probe, not the pinned fp32."""
+    if "real_dtype_probe" in request.keywords:
+        monkeypatch.delenv("SPA_CPU_DTYPE")
 
 
 @pytest.fixture(scope="session")

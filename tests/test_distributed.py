@@ -219,8 +219,11 @@ def test_two_ranks_keep_the_same_groups_and_make_the_same_update_as_one(one_rank
     before = weights(Path(json.loads((one_rank / "manifest.json").read_text())["config"]["model"]["name"]))
     after_one, after_two = weights(one_rank / "final"), weights(two_ranks / "step-1")
     assert max(float((after_one[k] - before[k]).abs().max()) for k in before) > 1e-4  # the step moved the weights
+    # the all-reduce sums the ranks' gradients in another order than one process does, and Adam
+    # scales such last-bit differences up where a weight's second moment is small (1.3e-6, 2e-5
+    # relative, on 1 of 4096 elements on an AVX512 machine)
     for key in after_one:
-        torch.testing.assert_close(after_two[key], after_one[key], rtol=0, atol=1e-6)
+        torch.testing.assert_close(after_two[key], after_one[key], rtol=1e-4, atol=1e-6)
     for step in (0, 1):  # validation split over the ranks: the same report
         reports = [json.loads((run / "val" / f"step-{step}.json").read_text()) for run in (one_rank, two_ranks)]
         assert reports[0]["metrics"] == reports[1]["metrics"]

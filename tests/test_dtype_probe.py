@@ -71,3 +71,13 @@ def test_cuda_auto_is_bf16_and_explicit_dtypes_are_kept(cache, monkeypatch):
 def test_the_real_probe_measures_both(monkeypatch):
     speeds = {dtype: models.matmul_gflops(dtype, min_seconds=0.02) for dtype in (torch.float32, torch.bfloat16)}
     assert all(value > 0 for value in speeds.values())
+
+
+def test_the_environment_pins_the_choice_without_a_probe(cache, monkeypatch):
+    calls = fake_speeds(monkeypatch, 100.0, 500.0)
+    monkeypatch.setenv("SPA_CPU_DTYPE", "float32")
+    assert models.cpu_auto_dtype() == "float32" and calls == [] and not cache.exists()
+    assert models.pick_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setenv("SPA_CPU_DTYPE", "fp16")
+    with pytest.raises(models.UserError, match=r"^SPA_CPU_DTYPE='fp16': set it to float32 or bfloat16, or unset it"):
+        models.cpu_auto_dtype()

@@ -152,6 +152,9 @@ def pick_dtype(dtype: str, device: str):
 #: under bf16 autocast pays casts and fp32 master weights on top of the matmuls: bf16 matmuls 4x
 #: as fast made `spa sft` 1.7x as fast (AMD EPYC, AVX512-BF16), 0.5x as fast made it 0.6x (a Xeon).
 BF16_MIN_SPEEDUP = 1.25
+#: Set to "float32" or "bfloat16" to pin `model.dtype: auto`'s choice on a CPU, without the probe
+#: (the tests pin fp32, for themselves and every process they start).
+CPU_DTYPE_ENV = "SPA_CPU_DTYPE"
 #: Matmul shapes of a step of the bundled model (hidden 576, MLP 1536) on a 256-token row.
 _PROBE_SHAPES = ((256, 576, 1536), (256, 1536, 576), (256, 576, 576))
 _announced = False
@@ -161,12 +164,18 @@ def cpu_auto_dtype() -> str:
     """"bfloat16" or "float32", whichever multiplies matrices faster on this CPU, by a short probe
     (under a second) cached per machine in ``$SPA_CACHE/cpu_dtype.json``; the choice is printed
     once per process. A CPU without native bf16 (no AVX512-BF16 or AMX) emulates it slowly, and
-    some with it still run fp32 faster, so the choice is measured, not assumed."""
+    some with it still run fp32 faster, so the choice is measured, not assumed; ``$SPA_CPU_DTYPE``
+    pins it instead."""
     global _announced
     import platform
 
     import torch
 
+    pinned = os.environ.get(CPU_DTYPE_ENV)
+    if pinned:
+        if pinned not in ("float32", "bfloat16"):
+            raise UserError(f"{CPU_DTYPE_ENV}={pinned!r}: set it to float32 or bfloat16, or unset it to probe")
+        return pinned
     path = cache_root() / "cpu_dtype.json"
     machine = {"cpu": cpu_name(), "flags": matmul_flags(), "cores": os.cpu_count(), "torch": torch.__version__,
                "python": platform.python_version()}
