@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from stages.common.models import CPU_DTYPE_ENV
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -12,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 #: that compare numbers across passes and processes (PPO's log-prob agreement, resumes, ranks)
 #: are written for fp32, so auto means fp32 here on every machine: in this process, in its
 #: module-scoped fixtures and in every process it starts. The probe's own tests unset it.
-os.environ["SPA_CPU_DTYPE"] = "float32"
+os.environ[CPU_DTYPE_ENV] = "float32"
 
 #: tests/vllm/ runs in pytest processes of its own (tests/test_vllm.py starts them, with this set):
 #: an in-process vLLM engine changes process-wide state that the other tests must not see.
@@ -34,7 +36,7 @@ def pytest_configure(config):
 def unpinned_dtype_for_the_probe_tests(request, monkeypatch):
     """Tests marked `real_dtype_probe` (the probe's own) see the probe, not the pinned fp32."""
     if "real_dtype_probe" in request.keywords:
-        monkeypatch.delenv("SPA_CPU_DTYPE")
+        monkeypatch.delenv(CPU_DTYPE_ENV)
 
 
 @pytest.fixture(scope="session")
