@@ -288,6 +288,22 @@ def test_random_backend_texts():
     assert len(moves) == 2 and all(len(m.split(",")) == 3 for m in moves)
 
 
+def test_random_backend_names_the_actions_it_draws():
+    keys = [f"k{i}" for i in range(6)]
+    fixed = RandomBackend("world_model", seed=3, actions_per_turn=(1, 3)).generate(
+        random_requests("sokoban", keys), SamplingParams())
+    named = RandomBackend("world_model", seed=3, actions_per_turn=(1, 3), name_actions=True).generate(
+        random_requests("sokoban", keys), SamplingParams())
+    for plain, out in zip(fixed, named):
+        actions = out.text.split("<answer> ")[1].split(" </answer>")[0].split(" || ")
+        assert plain.text.split("<answer> ")[1] == out.text.split("<answer> ")[1]  # the same draws
+        assert out.text.startswith(" <observation></observation> I will push the box to the target. "
+                                   f"I move {', '.join(actions)}. <prediction></prediction> </think> <answer> ")
+    config = SPAConfig()
+    config.rollout.backend, config.rollout.random_reasoning = "random", "actions"
+    assert make_backend(config.model, config.rollout, prompt_mode="base").name_actions
+
+
 def test_random_backend_draws_a_count_between_min_and_max():
     backend = RandomBackend("world_model", seed=0, actions_per_turn=(1, 5))
     keys = [f"k{i}" for i in range(200)]

@@ -126,6 +126,9 @@ class RolloutConfig(_Section):
     sample_seed: int = setting(0, ge=0)
     #: The random backend's actions per turn, [min, max] (a uniform count): RandSFT data; SPA's wrapper plays 3.
     random_actions: list[int] = field(default_factory=lambda: [3, 3], metadata=_range(ge=1))
+    #: The random backend's reasoning: "fixed", the paper's one sentence; "actions", that sentence
+    #: then the actions drawn ("I move Left."), so the prediction follows a stated action.
+    random_reasoning: Literal["fixed", "actions"] = "fixed"
     #: vLLM's share of the GPU's memory: weights, activations and KV cache (vllm backend on a GPU).
     gpu_memory_utilization: float = setting(0.6, gt=0, le=1)
     #: GiB of vLLM's KV cache (vllm backend); null: on a GPU what gpu_memory_utilization leaves, on a
@@ -153,6 +156,10 @@ class CleanConfig(_Section):
     states: Literal["ground_truth", "self_belief"] = "ground_truth"
     #: Replace coordinates by random ones in the same format (the paper's Fig. 5 ablation).
     random_coordinates: bool = False
+    #: Share of the world-model trajectories whose rows show the base prompt instead (their assistant
+    #: turns unchanged, states included): not SPA's (0); lets a small model keep its format under the
+    #: base prompt that PPO and the eval arms use.
+    base_prompt_fraction: float = setting(0.0, ge=0, le=1)
     filter_format: bool = True
     dedup: bool = True
     success_only: bool = False

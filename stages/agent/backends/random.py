@@ -2,7 +2,10 @@
 
 Each completion is what follows the generation prefix ``<think>``: fixed reasoning text and
 ``rollout.random_actions`` = [min, max] actions (a uniform count; SPA's wrapper plays 3) drawn by
-the game's own ``sample_action``. In world-model mode the
+the game's own ``sample_action``. With ``rollout.random_reasoning: actions`` the reasoning also names
+the actions drawn ("... I move Left, Up."), so that the prediction written after it is the next
+state of a stated action, as in self-play data where the model's reasoning states its plan; the
+paper's RandSFT keeps the sentence fixed (the default). In world-model mode the
 ``<observation>`` and ``<prediction>`` tags are left empty; ``spa clean`` fills them with the true
 states, which turns these episodes into the paper's RandSFT data.
 
@@ -33,7 +36,8 @@ class RandomBackend:
     tokenizer = None  # text only
     model = None  # no Hugging Face model in this process
 
-    def __init__(self, prompt_mode: str, seed: int = 0, actions_per_turn: tuple[int, int] = (3, 3)):
+    def __init__(self, prompt_mode: str, seed: int = 0, actions_per_turn: tuple[int, int] = (3, 3),
+                 name_actions: bool = False):
         if prompt_mode not in PROMPT_MODES:
             raise UserError(f"prompt_mode must be one of {', '.join(PROMPT_MODES)}, got {prompt_mode!r}")
         low, high = actions_per_turn
@@ -42,6 +46,7 @@ class RandomBackend:
         self.prompt_mode = prompt_mode
         self.seed = seed
         self.actions_per_turn = (low, high)
+        self.name_actions = name_actions
         self._turns: dict[str, int] = {}  # calls seen per key, so each turn draws fresh actions
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
@@ -63,8 +68,11 @@ class RandomBackend:
         rng = random.Random(stable_seed(self.seed, request.key, turn))
         low, high = self.actions_per_turn
         count = low if low == high else rng.randint(low, high)  # one draw fewer keeps fixed counts' actions as before
-        actions = " || ".join(env.sample_action(rng) for _ in range(count))
+        drawn = [env.sample_action(rng) for _ in range(count)]
+        actions = " || ".join(drawn)
         reason = REASONS.get(env.name, DEFAULT_REASON)
+        if self.name_actions:
+            reason = f"{reason} I move {', '.join(drawn)}."
         if self.prompt_mode == "world_model":
             think = f" <observation></observation> {reason} <prediction></prediction>"
         else:
