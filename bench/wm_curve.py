@@ -1,7 +1,8 @@
 """How good a world model does RandSFT make on a CPU, for its cost? One point of the curve a run.
 
 A point is: `--games` RandSFT games (random actions, `--actions MIN MAX` a turn, up to `--turns`
-turns, the true states filled in by `spa clean`, one row per `--unit`), world-model SFT of the
+turns, `--reasoning` fixed or naming the actions, the true states filled in by `spa clean`, one
+row per `--unit`, `--base-prompt-fraction` of them shown with the base prompt), world-model SFT of the
 bundled model for `--epochs` epochs, then the world-model accuracy of each epoch's checkpoint on
 unseen rooms (one sample each, the world-model prompt): well-formed turns,
 exact observations, exact predictions and prediction cells, with the SFT's wall time and tokens;
@@ -43,16 +44,19 @@ def run_point(args: argparse.Namespace) -> list[dict]:
     from stages.common.config import load_config
 
     name = args.name or (f"{args.env}-g{args.games}-a{args.actions[0]}-{args.actions[1]}-t{args.turns}-{args.unit}"
-                         f"-e{args.epochs}" + ("-selfplay" if args.self_play else ""))
+                         f"-e{args.epochs}" + ("-selfplay" if args.self_play else "")
+                         + ("-named" if args.reasoning == "actions" else "")
+                         + (f"-bp{round(100 * args.base_prompt_fraction)}" if args.base_prompt_fraction else ""))
     work = Path(args.work) / name
     common = [f"env.name={args.env}", f"model.dtype={args.dtype}", "quiet=true",
               f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={args.max_new_tokens}"]
     data = load_config(None, [
         *common, f"model.name={args.from_model}", f"rollout.backend={'hf' if args.self_play else 'random'}",
-        f"rollout.random_actions=[{args.actions[0]},{args.actions[1]}]", f"rollout.groups={args.games}",
+        f"rollout.random_actions=[{args.actions[0]},{args.actions[1]}]", f"rollout.random_reasoning={args.reasoning}",
+        f"rollout.groups={args.games}",
         "rollout.group_size=1", f"rollout.seed={args.train_seed}", f"generate.out={work}/trajectories.jsonl",
         "generate.resume=true", f"clean.data={work}/trajectories.jsonl", f"clean.out={work}/sft.jsonl",
-        f"clean.unit={args.unit}", "clean.val_fraction=0",
+        f"clean.unit={args.unit}", "clean.val_fraction=0", f"clean.base_prompt_fraction={args.base_prompt_fraction}",
     ])
     generate.run(data)
     cleaned = clean.run(data)
@@ -74,7 +78,9 @@ def run_point(args: argparse.Namespace) -> list[dict]:
         upto = [m for m in metrics if m["epoch"] <= epoch]
         point = {
             "name": name, "env": args.env, "games": args.games, "actions": list(args.actions), "turns": args.turns,
-            "unit": args.unit, "self_play": args.self_play, "from_model": args.from_model, "epoch": epoch,
+            "unit": args.unit, "reasoning": args.reasoning, "base_prompt_fraction": args.base_prompt_fraction,
+            "self_play": args.self_play,
+            "from_model": args.from_model, "epoch": epoch,
             "epochs": args.epochs, "rows": cleaned["train_rows"], "lr": args.lr, "global_batch": args.global_batch,
             "sft_tokens": sum(m["tokens"] for m in upto), "sft_computed_tokens": computed_tokens(upto),
             "prior_sft_computed_tokens": prior_tokens,
@@ -149,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--actions", type=int, nargs=2, default=(1, 1), metavar=("MIN", "MAX"))
     parser.add_argument("--turns", type=int, default=2, help="turns a game (the demo plays 2)")
     parser.add_argument("--unit", choices=("trajectory", "turn"), default="trajectory")
+    parser.add_argument("--reasoning", choices=("fixed", "actions"), default="fixed",
+                        help="RandSFT's reasoning: the paper's fixed sentence, or that sentence naming the actions")
+    parser.add_argument("--base-prompt-fraction", type=float, default=0.0,
+                        help="share of the games whose SFT rows show the base prompt (clean.base_prompt_fraction)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--eval-epochs", type=int, nargs="*", help="checkpoints to evaluate (default: the last)")
     parser.add_argument("--lr", type=float, default=1e-4)

@@ -31,6 +31,14 @@ Options (`clean.*`):
   parser never ran, and the ground-truth replacement would then teach "prediction = observation"
   under an answer that moves. A failing turn is kept as context with `"train": false` in trajectory
   rows, and dropped in turn rows.
+* `base_prompt_fraction` (not SPA's; 0 by default): that share of the world-model trajectories (a
+  seeded draw) is shown with the base prompt instead, the game's base instruction and format
+  line, while their assistant turns keep the observation and prediction. SPA's PPO and its eval
+  arms prompt the SFT model with the base prompt and rely on it writing its format there too
+  (the base parser accepts the states inside `<think>`); a 1.5B model does, the bundled 135M one
+  trained on world-model prompts alone mostly does not (README, "The world-model curve"). The
+  masked-state control gets the same rows with its states masked, so the two still differ only
+  in the states.
 * `dedup`: rows with identical messages (and loss flags) are kept once.
 * `success_only`: keep successful episodes only (SPA has this filter commented out).
 * The train/validation split is by trajectory (`val_fraction`, seeded), so no episode has turns on
@@ -64,7 +72,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.agent.env_manager import make_env
 from stages.agent.parsing import replace_states, well_formed
+from stages.agent.prompts import as_base_prompt
 from stages.common import artifacts, distributed, spa_data
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
@@ -126,6 +136,7 @@ def check_options(config: SPAConfig) -> None:
     if spa_data.is_parquet(options.data) or spa_data.is_hub_dataset(options.data):
         chosen = [f"clean.{name}" for name, on in (("states=self_belief", options.states != "ground_truth"),
                                                    ("random_coordinates", options.random_coordinates),
+                                                   ("base_prompt_fraction", options.base_prompt_fraction > 0),
                                                    ("success_only", options.success_only)) if on]
         if chosen:
             raise UserError(f"{', '.join(chosen)} needs trajectories from `spa generate`; SPA's released rows "
@@ -156,6 +167,8 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
     if options.random_coordinates:  # coordinate ranges from the trajectories that can be cleaned only
         cleanable = [t for t in trajectories if trajectory_problem(t) is None]
         coordinates = _CoordinateRandomizer(cleanable, options.seed)
+    shown_base = base_prompt_ids(trajectories, options.base_prompt_fraction, options.seed)
+    games: dict[str, Any] = {}  # per render mode, for the base prompt's texts
     rows: list[dict] = []
     for trajectory in trajectories:
         problem = trajectory_problem(trajectory)
@@ -167,6 +180,8 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
             continue
         messages = substitute_states(trajectory, options.states, coordinates)
         trained = _trained_flags(messages, trajectory, options.filter_format)
+        if trajectory["id"] in shown_base:
+            messages = with_base_prompt(trajectory, messages, config, games)
         if options.unit == "trajectory":
             row = trajectory_row(trajectory, messages, trained)
             if row is None:
@@ -184,6 +199,29 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
     untrained = 0 if options.unit == "turn" else sum(
         m["role"] == "assistant" and not m["train"] for row in rows for m in row["messages"])
     return CleanResult(train, val, dropped_trajectories, dropped_rows, untrained, options.unit)
+
+
+def base_prompt_ids(trajectories: list[dict], fraction: float, seed: int) -> set[str]:
+    """The trajectories shown with the base prompt: round(fraction x n) of the n cleanable
+    world-model ones, a seeded draw."""
+    ids = sorted(t["id"] for t in trajectories
+                 if trajectory_problem(t) is None and t.get("prompt_mode", "world_model") == "world_model")
+    random.Random(f"{seed}-base-prompt").shuffle(ids)
+    return set(ids[:round(len(ids) * fraction)])
+
+
+def with_base_prompt(trajectory: dict, messages: list[dict], config: SPAConfig, games: dict[str, Any]) -> list[dict]:
+    """The trajectory's messages under the base prompt of the configured game (built once per
+    render mode into `games`)."""
+    render_mode = trajectory.get("render_mode", "coords")
+    if render_mode not in games:
+        games[render_mode] = make_env(config.env, render_mode)
+    rewritten = as_base_prompt(messages, games[render_mode])
+    if rewritten is None:
+        raise UserError(f"clean.base_prompt_fraction: trajectory {trajectory['id']} does not start with the "
+                        f"world-model instruction of env {config.env.name!r} (options {config.env.options}); "
+                        "clean it with the env settings it was played with")
+    return rewritten
 
 
 def clean_spa_rows(rows: list[dict], config: SPAConfig) -> CleanResult:

@@ -171,6 +171,34 @@ def test_random_backend_generate_then_clean(tmp_path):
             assert f"<prediction>{source['turns'][t]['next_state']}</prediction>" in message["content"]
 
 
+def test_clean_shows_a_share_of_the_trajectories_with_the_base_prompt(tmp_path):
+    """The rewritten rows are what the base prompt shows: a base-mode game of the same seeds plays the
+    same random actions (drawn per episode and turn), so its user messages must equal theirs."""
+    config = make_config(tmp_path, groups=4, group_size=1, backend="random", max_turns=2, random_actions=[1, 1])
+    config.clean.val_fraction, config.clean.base_prompt_fraction = 0.0, 0.5
+    generate.run(config)
+    clean.run(config)
+    base = make_config(tmp_path / "base", groups=4, group_size=1, backend="random", max_turns=2,
+                       random_actions=[1, 1])
+    base.generate.prompt_mode = "base"
+    generate.run(base)
+    played_base = {row["id"]: row["messages"] for row in read_rows(base.generate.out)}
+    played_world_model = {row["id"]: row for row in read_rows(config.generate.out)}
+    rows = read_rows(config.clean.out)
+    shown_base = [row for row in rows if "<think> [Your thoughts] </think>" in row["messages"][1]["content"]]
+    assert len(rows) == 4 and len(shown_base) == 2
+    for row in rows:
+        source = played_world_model[row["source_id"]]
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        wanted = played_base[row["source_id"]] if row in shown_base else source["messages"]
+        assert users == [m["content"] for m in wanted if m["role"] == "user"]
+        for t, message in enumerate(m for m in row["messages"] if m["role"] == "assistant"):  # states kept
+            assert f"<prediction>{source['turns'][t]['next_state']}</prediction>" in message["content"]
+    config.env.options = {"dim": 7}  # another room size: another instruction, refused in one line
+    with pytest.raises(UserError, match="does not start with the world-model instruction"):
+        clean.run(config)
+
+
 @pytest.mark.skipif(not has_module("stages.agent.backends.hf"), reason="the hf backend is not there yet")
 def test_hf_backend_generate_then_clean(tmp_path, tiny_model_dir, tokenizer):
     config = make_config(tmp_path, groups=2, group_size=2, backend="hf", max_new_tokens=6, max_turns=2)

@@ -71,6 +71,26 @@ def turn_block(turn: int, state: str, actions_left: int, prompt_mode: str, max_w
     )
 
 
+def as_base_prompt(messages: list[dict], env: TextGameEnv) -> list[dict] | None:
+    """A world-model chat shown with the base prompt instead: the game's base instruction in the
+    first user message and the base format in every turn block; the assistant turns unchanged.
+    None when the chat does not start with this game's world-model instruction (another room
+    size, another game)."""
+    before, after = env.instruction("world_model"), env.instruction("base")
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None or not messages[first_user]["content"].startswith(before):
+        return None
+    rewritten = []
+    for i, message in enumerate(messages):
+        content = message["content"]
+        if message["role"] == "user":
+            if i == first_user:
+                content = after + content[len(before):]
+            content = content.replace(FORMAT_PROMPTS["world_model"], FORMAT_PROMPTS["base"])
+        rewritten.append({**message, "content": content})
+    return rewritten
+
+
 def reward_message(reward: float) -> str:
     """Start of the user message after a turn; Python's str() of the float sum, as SPA prints it."""
     return f"Reward:\n{reward}\n"
