@@ -96,6 +96,9 @@ SECTIONS = {
 #: What an arm's `set` may change: the settings of its own stages (the game, model and rollout
 #: settings are the pipeline's, so that every arm plays the same game in the same way).
 ARM_SECTIONS = ("generate", "clean", "sft", "ppo", "eval")
+#: Rollout settings that only the random backend reads: part of the fingerprint of its stages alone,
+#: so that changing how the RandSFT data is drawn does not rerun the arms that never read it.
+RANDOM_BACKEND_KEYS = ("random_actions", "random_reasoning")
 #: Keys the pipeline sets itself (paths, resuming).
 PIPELINE_KEYS = ("out", "data", "val_data", "resume")
 #: Eval settings an arm may have of its own; the rest is the same for every arm.
@@ -538,6 +541,9 @@ def stage_inputs(stage: Stage) -> list[Path]:
 
 def fingerprint(stage: Stage) -> str:
     data = asdict(stage.config)
+    if stage.config.rollout.backend != "random":
+        for key in RANDOM_BACKEND_KEYS:
+            del data["rollout"][key]
     content = {
         "config": {section: data[section] for section in SECTIONS[stage.kind]},
         "inputs": {str(p): artifacts.file_sha256(p) for p in stage_inputs(stage) if p.is_file()},

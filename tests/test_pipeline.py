@@ -365,6 +365,12 @@ def test_a_changed_setting_reruns_only_the_stages_that_read_it(tiny_model_dir, t
     result = pipeline.run(changed)
     # sft changed, so did its checkpoint: PPO from it and its eval rerun; the data does not
     assert result["skipped"] == ["eval/base", "generate/selfplay", "clean/selfplay"]
+    # how the random policy draws its data is read by the data stage only, not by the base arm's eval
+    redrawn = tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[base, spa]", "sft.lr=2e-4",
+                            "rollout.random_reasoning=actions")
+    assert pipeline.statuses(pipeline.plan(redrawn)) == {
+        "eval/base": "complete", "generate/selfplay": "run", "clean/selfplay": "run", "sft/spa": "run",
+        "ppo/spa": "run", "eval/spa": "run"}
 
 
 def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):
