@@ -75,6 +75,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
         # the prompt PPO and the eval arms use: does the format the SFT taught carry over to it?
         base = measure(args, common, checkpoint, "base", work / "eval" / f"epoch-{epoch}-base-prompt.json")
         wm = figures["world_model"]
+        trajectories = work / "eval" / f"epoch-{epoch}.trajectories.jsonl"
         upto = [m for m in metrics if m["epoch"] <= epoch]
         point = {
             "name": name, "env": args.env, "games": args.games, "actions": list(args.actions), "turns": args.turns,
@@ -90,6 +91,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             "prediction_cells": wm["prediction"]["cell_accuracy"], "observation_cells": wm["observation"]["cell_accuracy"],
             "success": figures["pass@1"], "eval_turns": sum(t["turns"] for t in wm["per_turn"]),
             "base_prompt_format_valid": base["format_valid_rate"], "base_prompt_success": base["pass@1"],
+            "prediction_errors": prediction_errors(trajectories) if args.env == "sokoban" else None,
             "eval_seeds": args.eval_seeds, "tuning_seed": args.tuning_seed, "final": trained.get("final"),
         }
         points.append(point)
@@ -122,6 +124,53 @@ def sft_computed_tokens(metrics: Path) -> int:
     if not metrics.is_file():
         return 0
     return computed_tokens([json.loads(line) for line in metrics.read_text().splitlines()])
+
+
+#: What a one-action Sokoban prediction can be, checked in this order (`prediction_error`).
+ERROR_KINDS = ("exact", "another_action", "coordinates_wrong", "another_actions_grid", "misshapen_grid",
+               "wrong_grid")
+
+
+def prediction_errors(trajectories: Path) -> dict[str, int]:
+    """The predictions of a Sokoban eval's episodes (`<eval out>.trajectories.jsonl`) counted by
+    kind: turns with a prediction and exactly one executed action (a longer turn's "other action"
+    is not defined)."""
+    counts = dict.fromkeys(ERROR_KINDS, 0)
+    for line in trajectories.read_text(encoding="utf-8").splitlines():
+        episode = json.loads(line)
+        for turn in episode["turns"]:
+            if turn.get("prediction") is not None and len(turn["executed"]) == 1:
+                counts[prediction_error(turn, episode.get("render_mode", "coords"))] += 1
+    return counts
+
+
+def prediction_error(turn: dict, render_mode: str) -> str:
+    """One kind of ERROR_KINDS: the true next state ("exact"); the true next state of an action
+    other than the one answered ("another_action": it predicted one move and answered another);
+    the true grid with wrong coordinates; another action's grid; a grid whose rows are not the
+    room's in number or length; a room-shaped grid with wrong cells."""
+    from envs.sokoban import SokobanEnv
+    from stages.agent.states import grid_cells, states_match
+
+    predicted, answered = turn["prediction"], turn["executed"][0]
+    if states_match(predicted, turn["next_state"]):
+        return "exact"
+    room = "\n".join("".join(row) for row in grid_cells(turn["state"]))
+    outcomes = {}
+    for action in SokobanEnv.action_names:
+        env = SokobanEnv.from_grid(room, render_mode=render_mode)
+        env.step(action)
+        outcomes[action] = env.render()
+    others = [state for action, state in outcomes.items() if action != answered]
+    if any(states_match(predicted, state) for state in others):
+        return "another_action"
+    grid = grid_cells(predicted)
+    if grid == grid_cells(turn["next_state"]):
+        return "coordinates_wrong"
+    if any(grid == grid_cells(state) for state in others):
+        return "another_actions_grid"
+    shape = [len(row) for row in grid_cells(turn["state"])]
+    return "misshapen_grid" if [len(row) for row in grid] != shape else "wrong_grid"
 
 
 def plot(results: Path, out: Path) -> None:
@@ -175,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", default=str(ROOT / "runs" / "wm_curve"))
     parser.add_argument("--results", default=str(DEFAULT_RESULTS))
     parser.add_argument("--plot", type=Path, help="draw the results file into this PNG and exit")
+    parser.add_argument("--errors", type=Path, metavar="TRAJECTORIES",
+                        help="print the prediction errors by kind of a Sokoban eval's trajectories file and exit")
     return parser
 
 
@@ -182,6 +233,8 @@ def main() -> None:
     args = build_parser().parse_args()
     if args.plot:
         return plot(Path(args.results), args.plot)
+    if args.errors:
+        return print(json.dumps(prediction_errors(args.errors)))
     run_point(args)
 
 

@@ -40,3 +40,35 @@ def test_a_checkpoint_is_measured_on_the_tuning_rooms_with_the_prompt_asked(tmp_
     assert (config.eval.prompt_mode, config.eval.seeds, config.eval.first_seed, config.eval.pass_k) == ("base", 8, 20000, 1)
     assert config.model.name == str(tmp_path / "epoch-2") and config.eval.out == str(tmp_path / "base.json")
 
+
+
+def test_prediction_errors_are_told_apart_by_kind(tmp_path):
+    from envs.sokoban import SokobanEnv
+
+    wm_curve = load_wm_curve()
+    room = "######\n#____#\n#_PX_#\n#__O_#\n#____#\n######"
+    state = SokobanEnv.from_grid(room).render()
+
+    def after(action):
+        env = SokobanEnv.from_grid(room)
+        env.step(action)
+        return env.render()
+
+    pushed, up = after("Right"), after("Up")  # Right pushes the box, Up walks
+    grid, coordinates = pushed.rsplit("\n", 1)
+    written = {
+        "exact": pushed,
+        "another_action": up,
+        "coordinates_wrong": f"{grid}\nPlayer (P) is at (1,1); box (X) is at (2,4); target (O) is at (3,3).",
+        "another_actions_grid": f"{up.rsplit(chr(10), 1)[0]}\n{coordinates}",
+        "misshapen_grid": pushed.replace("#__PX#", "#__PX##"),
+        "wrong_grid": pushed.replace("#__O_#", "#_O__#"),
+    }
+    turns = [{"state": state, "next_state": pushed, "executed": ["Right"], "prediction": text}
+             for text in written.values()]
+    turns += [{"state": state, "next_state": pushed, "executed": ["Right"], "prediction": None},  # not counted
+              {"state": state, "next_state": pushed, "executed": ["Right", "Up"], "prediction": pushed}]
+    path = tmp_path / "eval.trajectories.jsonl"
+    path.write_text(json.dumps({"render_mode": "coords", "turns": turns}) + "\n")
+    assert [wm_curve.prediction_error(turn, "coords") for turn in turns[:6]] == list(written)
+    assert wm_curve.prediction_errors(path) == dict.fromkeys(wm_curve.ERROR_KINDS, 1)
