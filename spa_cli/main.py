@@ -251,6 +251,8 @@ def clean(
     random_coordinates: Annotated[bool | None, _flag("clean.random_coordinates",
                                                      "Random coordinates (ablation).")] = None,
     success_only: Annotated[bool | None, _flag("clean.success_only", "Keep successful episodes only.")] = None,
+    base_prompt_fraction: Annotated[float | None, _flag(
+        "clean.base_prompt_fraction", "Share of the trajectories shown with the base prompt, states kept.")] = None,
     skip_bad: Annotated[bool | None, _flag("clean.skip_bad", "Skip unreadable lines instead of stopping.")] = None,
 ) -> None:
     """Ground-truth state replacement and filters: trajectories.jsonl -> sft.jsonl (+ sft.val.jsonl)."""
@@ -258,7 +260,7 @@ def clean(
 
     cfg = _load(config, set_, quiet, clean__data=data, clean__out=out, clean__unit=unit, clean__states=states,
                 clean__random_coordinates=random_coordinates, clean__success_only=success_only,
-                clean__skip_bad=skip_bad)
+                clean__base_prompt_fraction=base_prompt_fraction, clean__skip_bad=skip_bad)
     stage.run(cfg)
 
 

@@ -378,3 +378,18 @@ def test_readme_and_makefile_agree_on_the_reproductions_duration():
     comment = makefile[makefile.index("# A CPU-scale reproduction"):makefile.index("repro-cpu: install")]
     in_makefile = {match[0] for match in re.findall(said, comment)}
     assert len(in_readme) == 1 and in_readme == in_makefile  # a measured duration, or both say it is not
+
+
+def test_clean_shows_the_base_prompt_on_the_share_asked(tmp_path):
+    data, out = str(tmp_path / "t.jsonl"), str(tmp_path / "sft.jsonl")
+    assert invoke("generate", "--backend", "random", "--groups", "4", "--group-size", "1", "--out", data,
+                  "-q").exit_code == 0
+    result = invoke("clean", "--data", data, "--out", out, "--base-prompt-fraction", "0.75", "-q",
+                    "--set", "clean.val_fraction=0")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in open(out, encoding="utf-8")]
+    assert sum("<think> [Your thoughts] </think>" in row["messages"][1]["content"] for row in rows) == 3
+    result = invoke("clean", "--data", data, "--out", out, "--base-prompt-fraction", "1.5")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        "error: clean.base_prompt_fraction must be >= 0 and <= 1, got 1.5"]
