@@ -186,10 +186,11 @@ def plot(results: Path, out: Path) -> None:
         series: dict[str, list[dict]] = {}
         for point in points:
             series.setdefault(point["name"], []).append(point)
-        for name, run in sorted(series.items()):
+        for index, (name, run) in enumerate(sorted(series.items())):
             run.sort(key=lambda p: p["epoch"])
             cost = [(p.get("prior_sft_computed_tokens", 0) + p["sft_computed_tokens"]) / 1000 for p in run]
-            ax.plot(cost, [100 * (p[key] or 0) for p in run], marker="o", label=name)
+            ax.plot(cost, [100 * (p[key] or 0) for p in run], marker="o", label=name,
+                    color=plt.get_cmap("tab20")(index % 20))  # more runs than the default cycle's 10 colors
         ax.set(xlabel="SFT tokens computed (thousands)", ylabel=label, ylim=(0, 100))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="x-small")
