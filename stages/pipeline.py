@@ -88,7 +88,7 @@ KINDS = ("generate", "clean", "sft", "ppo", "eval")
 #: The config sections each kind of stage reads: its fingerprint, and what makes two stages one.
 SECTIONS = {
     "generate": ("env", "model", "rollout", "generate"),
-    "clean": ("clean",),
+    "clean": ("env", "clean"),  # the env: its base prompt (clean.base_prompt_fraction)
     "sft": ("model", "sft"),
     "ppo": ("env", "model", "rollout", "ppo"),
     "eval": ("env", "model", "rollout", "eval"),
@@ -311,6 +311,7 @@ def resolve(config: SPAConfig, arm: Arm) -> list[Stage]:
                 played.rollout.backend = "random"
             played.generate.out = add("generate", played)
             cleaned = copy.deepcopy(arm_config)
+            cleaned.env = copy.deepcopy(played.env)  # the game the data was played on
             cleaned.clean.data = cleaned.clean.out = CHAINED
             data = add("clean", cleaned)
         tuned = copy.deepcopy(arm_config)

@@ -186,7 +186,7 @@ def test_transfer_plays_the_sft_data_on_another_game():
     the_plan = plan_of("base", "{name: easy2hard, like: spa, data_env: {name: frozen_lake}}",
                        sets=["env.name=frozen_lake_6x6"])
     stages = {stage.name: stage.config for stage in the_plan.stages}
-    assert stages["generate/easy2hard"].env.name == "frozen_lake"
+    assert stages["generate/easy2hard"].env.name == stages["clean/easy2hard"].env.name == "frozen_lake"
     assert stages["ppo/easy2hard"].env.name == stages["eval/easy2hard"].env.name == "frozen_lake_6x6"
     assert stages["ppo/easy2hard"].model.name == f"{R}/sft/easy2hard/final"
 
