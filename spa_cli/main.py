@@ -187,7 +187,8 @@ def user_errors(command: Callable) -> Callable:
 def _stop_resumably(what: str, kwargs: dict[str, Any]) -> None:
     """End a stage that can be resumed (exit 130), saying how."""
     again = "again with --resume" if "resume" in kwargs and not kwargs["resume"] else "again"  # only when told to
-    err_console.print(f"{what}; run the same command {again} to resume", highlight=False)
+    err_console.print(f"{what}; run the same command {again} to resume", highlight=False, markup=False,
+                      soft_wrap=True)  # one line, whatever the terminal's width
     raise typer.Exit(130) from None
 
 
