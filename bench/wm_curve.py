@@ -80,8 +80,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
         point = {
             "name": name, "env": args.env, "games": args.games, "actions": list(args.actions), "turns": args.turns,
             "unit": args.unit, "reasoning": args.reasoning, "base_prompt_fraction": args.base_prompt_fraction,
-            "self_play": args.self_play,
-            "from_model": args.from_model, "epoch": epoch,
+            "self_play": args.self_play, "from_model": args.from_model, "epoch": epoch,
             "epochs": args.epochs, "rows": cleaned["train_rows"], "lr": args.lr, "global_batch": args.global_batch,
             "sft_tokens": sum(m["tokens"] for m in upto), "sft_computed_tokens": computed_tokens(upto),
             "prior_sft_computed_tokens": prior_tokens,
@@ -152,16 +151,17 @@ def prediction_error(turn: dict, render_mode: str) -> str:
     from envs.sokoban import SokobanEnv
     from stages.agent.states import grid_cells, states_match
 
-    predicted, answered = turn["prediction"], turn["executed"][0]
+    predicted = turn["prediction"]
     if states_match(predicted, turn["next_state"]):
         return "exact"
-    room = "\n".join("".join(row) for row in grid_cells(turn["state"]))
-    outcomes = {}
-    for action in SokobanEnv.action_names:
-        env = SokobanEnv.from_grid(room, render_mode=render_mode)
+    room = grid_cells(turn["state"])
+
+    def after(action: str) -> str:
+        env = SokobanEnv.from_grid("\n".join("".join(row) for row in room), render_mode=render_mode)
         env.step(action)
-        outcomes[action] = env.render()
-    others = [state for action, state in outcomes.items() if action != answered]
+        return env.render()
+
+    others = [after(action) for action in SokobanEnv.action_names if action != turn["executed"][0]]
     if any(states_match(predicted, state) for state in others):
         return "another_action"
     grid = grid_cells(predicted)
@@ -169,8 +169,7 @@ def prediction_error(turn: dict, render_mode: str) -> str:
         return "coordinates_wrong"
     if any(grid == grid_cells(state) for state in others):
         return "another_actions_grid"
-    shape = [len(row) for row in grid_cells(turn["state"])]
-    return "misshapen_grid" if [len(row) for row in grid] != shape else "wrong_grid"
+    return "misshapen_grid" if [len(row) for row in grid] != [len(row) for row in room] else "wrong_grid"
 
 
 def plot(results: Path, out: Path) -> None:

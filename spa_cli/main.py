@@ -187,8 +187,7 @@ def user_errors(command: Callable) -> Callable:
 def _stop_resumably(what: str, kwargs: dict[str, Any]) -> None:
     """End a stage that can be resumed (exit 130), saying how."""
     again = "again with --resume" if "resume" in kwargs and not kwargs["resume"] else "again"  # only when told to
-    err_console.print(f"{what}; run the same command {again} to resume", highlight=False, markup=False,
-                      soft_wrap=True)  # one line, whatever the terminal's width
+    _error_line(f"{what}; run the same command {again} to resume")
     raise typer.Exit(130) from None
 
 
@@ -200,8 +199,14 @@ def _main_rank() -> bool:
 
 
 def _fail(message: str) -> None:
-    err_console.print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
+    _error_line(f"error: {message}")
     raise typer.Exit(2)
+
+
+def _error_line(text: str) -> None:
+    """`text` on stderr as written, on one line whatever the terminal's width (scripts and tests
+    match these lines)."""
+    err_console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 def _load(config: Path | None, sets: list[str] | None, quiet: bool, **flags: Any):
