@@ -19,7 +19,9 @@ generation backend differs:
 Each batch size in ``--batches`` is a run of that many episodes (puzzles x 2 samples), all live at
 once (``rollout.batch_size``). The model is the bundled SmolLM2-135M-Instruct in float32 (``--dtype
 bfloat16`` adds ``engine_bf16``, the HF engine on a bf16 copy: faster on CPUs with native bf16
-matmul). Each variant runs in its own interpreter, so its peak RSS is its own. Samples differ
+matmul; with it ``engine_autocast``, the engine on the float32 model under bf16 autocast, which is how
+`spa ppo` rolled out with its fp32 master weights before it kept a bf16 copy for the rollouts:
+``bf16_vs_autocast_tokens_per_s`` is that copy's speed-up). Each variant runs in its own interpreter, so its peak RSS is its own. Samples differ
 between the variants (different random streams), so tokens generated differ somewhat; the rates
 are what compare. Prints one JSON object; the target is engine >= 3x naive tokens/s.
 """
@@ -81,6 +83,7 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.agent.proxy import play
     from stages.common.config import load_config
     from stages.common.models import load_model
+    from stages.training.engine import autocast
 
     episodes = args.batch
     groups = episodes // args.group_size
@@ -89,8 +92,7 @@ def child(variant: str, args: argparse.Namespace) -> dict:
         f"env.name={args.env}", f"rollout.max_turns={args.max_turns}", f"rollout.backend={backend_name}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={episodes}", f"model.name={args.model}",
         f"model.dtype={'bfloat16' if variant == 'engine_bf16' else 'float32'}", "quiet=true"])
-    if not torch.cuda.is_available():
-        config.model.device = "cpu"
+    config.model.device = "cuda" if torch.cuda.is_available() else "cpu"
     modes = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
     torch.manual_seed(0)
     start = time.perf_counter()
@@ -106,7 +108,9 @@ def child(variant: str, args: argparse.Namespace) -> dict:
         backend.reset()  # nothing cached from the warm-up
     seeds = range(config.rollout.seed, config.rollout.seed + groups)
     start = time.perf_counter()
-    played = play(config.env, config.rollout, backend, seeds, args.group_size, **modes)
+    low = torch.bfloat16 if variant == "engine_autocast" else None  # fp32 weights computing in bf16
+    with autocast(config.model.device, low):
+        played = play(config.env, config.rollout, backend, seeds, args.group_size, **modes)
     seconds = time.perf_counter() - start
     generated = sum(sum(e.response_mask) for e in played)  # sampled tokens
     result = {"seconds": round(seconds, 2), "episodes": len(played), "turns": sum(len(e.turns) for e in played),
@@ -140,7 +144,7 @@ def main() -> None:
                         help="bfloat16 also measures the HF engine on a bf16 copy of the model; auto does where "
                              "model.dtype auto picks bf16 on this CPU (where bf16 is emulated it takes minutes)")
     parser.add_argument("--variants", default="engine,vllm,naive",
-                        help="which backends to run (engine_bf16 is added by --dtype bfloat16)")
+                        help="which backends to run (engine_bf16 and engine_autocast are added by --dtype bfloat16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -157,7 +161,7 @@ def main() -> None:
         from stages.common.models import pick_dtype
 
         args.dtype = str(pick_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
-    variants = args.variants.split(",") + (["engine_bf16"] if args.dtype == "bfloat16" else [])
+    variants = args.variants.split(",") + (["engine_bf16", "engine_autocast"] if args.dtype == "bfloat16" else [])
     argv = [f"--model={args.model}", f"--env={args.env}", f"--group-size={args.group_size}",
             f"--max-turns={args.max_turns}", f"--max-new-tokens={args.max_new_tokens}"]
     result = {"model": args.model, "env": args.env, "max_turns": args.max_turns,
@@ -172,6 +176,9 @@ def main() -> None:
         if engine and "naive" in runs:
             runs["speedup_tokens_per_s"] = round(engine["tokens_per_s"] / runs["naive"]["tokens_per_s"], 2)
             runs["speedup_episodes_per_min"] = round(engine["episodes_per_min"] / runs["naive"]["episodes_per_min"], 2)
+        if "engine_autocast" in runs:
+            rate = runs["engine_bf16"]["tokens_per_s"] / runs["engine_autocast"]["tokens_per_s"]
+            runs["bf16_vs_autocast_tokens_per_s"] = round(rate, 2)
     print(json.dumps(result))
 
 

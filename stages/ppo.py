@@ -77,6 +77,11 @@ Simplifications compared with verl/RAGEN (SPA's trainer), nanochat style:
   validation), since generation cannot run collectively on shards when ranks play different
   episodes. The copy costs the 2 bytes a parameter of the weights that ZeRO-3 would otherwise
   shard, so ZeRO-3 pays off most with vLLM, whose engine holds its own copy anyway.
+* Where the engine keeps fp32 weights and computes under bf16 autocast (plain torch, and
+  DeepSpeed off CUDA), the hf backend plays on a bf16 copy of the actor, refreshed after every
+  update (and validation measures that copy, as `spa eval` measures a bf16 checkpoint): autocast
+  would cast every weight again at every decoded token. The sampler's log-probs then come from
+  bf16 weights, further from the trainer's than under fp32 (``ppo.old_logprobs: sampler``).
 * The critic is the same network (a copy of the same checkpoint) with its LM head replaced by a
   linear value head, zero-initialised so that the first values are 0. Cheaper options:
   ``ppo.critic: shared`` puts that head on the actor's own last hidden state (one network, one
@@ -265,6 +270,12 @@ def build_models(config: SPAConfig) -> Models:
     if ppo.zero_stage == 3:  # the engine will shard the actor: keep a whole copy where one is needed
         needed = config.rollout.backend == "hf" or config.eval.state_ppl
         generator = copy.deepcopy(actor).eval().requires_grad_(False) if needed else None
+    compute = eng.autocast_dtype(mixed, ppo.zero_stage, dist.device)
+    if compute is not None and generator is not None and config.rollout.backend == "hf" and not ppo.lora_rank:
+        # fp32 weights under autocast are cast again at every decoded token: the hf backend plays
+        # faster on a copy in the compute precision (bf16 on 2 CPU cores: 209 vs 125 tokens/s),
+        # which push_weights refreshes after every update
+        generator = (copy.deepcopy(lm) if generator is lm else generator).to(compute).eval().requires_grad_(False)
 
     def engine(module: nn.Module, lr: float):
         optim = eng.OptimSettings(lr, ADAM_BETAS, ppo.weight_decay, ppo.grad_clip, CONSTANT_LR_STEPS, 0.0)

@@ -4,6 +4,7 @@ test with the bundled model on a one-turn bandit."""
 import json
 import math
 import random
+import types
 from pathlib import Path
 from typing import ClassVar
 
@@ -265,8 +266,20 @@ def test_bfloat16_on_the_cpu_samples_and_trains_in_bf16_over_fp32_weights(tiny_m
     assert next(models.actor.parameters()).dtype == torch.float32
     probe = torch.tensor([[1, 2, 3]])
     assert models.actor(input_ids=probe).logits.dtype == torch.float32
-    with ppo._autocast(models.actor_engine):  # what the rollouts and the reference run under
+    with ppo._autocast(models.actor_engine):  # what the reference (and the update) run under
         assert models.actor(input_ids=probe).logits.dtype == torch.bfloat16
+    # the hf backend plays on a bf16 copy that every weight push refreshes from the fp32 actor
+    assert models.generator is not models.actor
+    assert {p.dtype for p in models.generator.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        for param in models.actor.parameters():
+            param.add_(torch.randn_like(param))  # what an update does to the weights
+    reset = []
+    ppo.push_weights(models, types.SimpleNamespace(reset=lambda: reset.append(True)), config)
+    pushed = dict(models.generator.named_parameters())
+    for name, param in models.actor.named_parameters():
+        assert torch.equal(pushed[name], param.detach().to(torch.bfloat16)), name
+    assert reset == [True]  # the caches of the old weights are dropped
     ppo.run(config)
     row = read_metrics(tmp_path / "run")[0]
     assert 0 < row["logp_diff"] < 2e-2  # sampler and trainer both in bf16, in different batch shapes

@@ -460,13 +460,22 @@ def _fill_auto(section: dict, values: dict[str, Any]) -> None:
 def build_engine(model, settings: OptimSettings, dist: Dist, zero_stage: int, offload: bool = False,
                  mixed: str | None = None, ds_config_path: str = ""):
     """The training engine for `model` (already on its device, in `master_dtype`)."""
+    compute = autocast_dtype(mixed, zero_stage, dist.device)
     if zero_stage == 0:
-        return TorchEngine(model, settings, dist.device, autocast_dtype=_autocast_dtype(mixed))
-    if not dist.device.startswith("cuda"):  # fp32 weights under autocast (see the module docstring)
+        return TorchEngine(model, settings, dist.device, autocast_dtype=compute)
+    if compute is not None:  # fp32 weights under autocast (see the module docstring)
         config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, None, ds_config_path, dist.world)
-        return DeepSpeedEngine(model, settings, dist, config, autocast_dtype=_autocast_dtype(mixed))
+        return DeepSpeedEngine(model, settings, dist, config, autocast_dtype=compute)
     config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, mixed, ds_config_path, dist.world)
     return DeepSpeedEngine(model, settings, dist, config)
+
+
+def autocast_dtype(mixed: str | None, zero_stage: int, device: str):
+    """The torch dtype an engine computes in under autocast over fp32 weights (plain torch, and
+    DeepSpeed off CUDA), or None: no autocast (fp32, or DeepSpeed's own bf16/fp16 on CUDA)."""
+    if zero_stage > 0 and device.startswith("cuda"):
+        return None
+    return _autocast_dtype(mixed)
 
 
 def master_dtype(mixed: str | None, zero_stage: int, device: str) -> str:
