@@ -473,9 +473,11 @@ def build_engine(model, settings: OptimSettings, dist: Dist, zero_stage: int, of
 def autocast_dtype(mixed: str | None, zero_stage: int, device: str):
     """The torch dtype an engine computes in under autocast over fp32 weights (plain torch, and
     DeepSpeed off CUDA), or None: no autocast (fp32, or DeepSpeed's own bf16/fp16 on CUDA)."""
+    import torch
+
     if zero_stage > 0 and device.startswith("cuda"):
         return None
-    return _autocast_dtype(mixed)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed or "")
 
 
 def master_dtype(mixed: str | None, zero_stage: int, device: str) -> str:
@@ -493,9 +495,3 @@ def autocast(device: str, dtype):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.split(":")[0], dtype=dtype)
-
-
-def _autocast_dtype(mixed: str | None):
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed or "")
