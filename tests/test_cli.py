@@ -387,7 +387,7 @@ def test_clean_shows_the_base_prompt_on_the_share_asked(tmp_path):
     result = invoke("clean", "--data", data, "--out", out, "--base-prompt-fraction", "0.75", "-q",
                     "--set", "clean.val_fraction=0")
     assert result.exit_code == 0, result.output
-    rows = [json.loads(line) for line in open(out, encoding="utf-8")]
+    rows = [json.loads(line) for line in Path(out).read_text(encoding="utf-8").splitlines()]
     assert sum("<think> [Your thoughts] </think>" in row["messages"][1]["content"] for row in rows) == 3
     result = invoke("clean", "--data", data, "--out", out, "--base-prompt-fraction", "1.5")
     assert result.exit_code == 2 and "Traceback" not in result.output
