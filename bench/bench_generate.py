@@ -23,7 +23,8 @@ matmul; and ``engine_autocast``, the engine on the float32 model under bf16 auto
 `spa ppo` rolled out with its fp32 master weights before it kept a bf16 copy for the rollouts:
 ``bf16_vs_autocast_tokens_per_s`` is that copy's speed-up). Each variant runs in its own
 interpreter, so its peak RSS is its own. Samples differ between the variants (different random
-streams), so tokens generated differ somewhat; the rates are what compare. Prints one JSON object; the target is engine >= 3x naive tokens/s.
+streams), so tokens generated differ somewhat; the rates are what compare. Prints one JSON object;
+the target is engine >= 3x naive tokens/s.
 """
 
 from __future__ import annotations

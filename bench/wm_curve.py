@@ -155,9 +155,10 @@ def prediction_error(turn: dict, render_mode: str) -> str:
     if states_match(predicted, turn["next_state"]):
         return "exact"
     room = grid_cells(turn["state"])
+    room_text = "\n".join("".join(row) for row in room)
 
     def after(action: str) -> str:
-        env = SokobanEnv.from_grid("\n".join("".join(row) for row in room), render_mode=render_mode)
+        env = SokobanEnv.from_grid(room_text, render_mode=render_mode)
         env.step(action)
         return env.render()
 
