@@ -61,9 +61,9 @@ Outputs in ``ppo.out``, the run directory of `stages.training.checkpoints`: ``me
 line per step; step 0 holds the validation before training), ``step-N/`` every ``ppo.save_every``
 steps and ``final/`` (Hugging Face directories of the actor with its tokenizer),
 ``val/step-N.json`` (`spa eval` reports with their trajectories, every ``ppo.val_every`` steps,
-before training and at the end), ``manifest.json``, and ``trainer_state/`` for ``--resume`` (actor
-and critic engines with their optimizers, the step, the seed counter and the RNG state), written
-with each checkpoint.
+before training unless ``ppo.val_before_train`` is off, and at the end), ``manifest.json``, and
+``trainer_state/`` for ``--resume`` (actor and critic engines with their optimizers, the step, the
+seed counter and the RNG state), written with each checkpoint.
 
 Simplifications compared with verl/RAGEN (SPA's trainer), nanochat style:
 
@@ -144,8 +144,8 @@ CONSTANT_LR_STEPS = 2**62
 #: AdamW betas of verl's actor and critic (SPA sets none).
 ADAM_BETAS = (0.9, 0.999)
 #: Settings that may differ between a run and its --resume without changing what is computed.
-RESUME_FREE = {"out", "resume", "steps", "val_every", "save_every", "micro_batch_tokens", "gradient_checkpointing",
-               "pack_groups", "stop_without_spread"}
+RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
+               "gradient_checkpointing", "pack_groups", "stop_without_spread"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -682,7 +682,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
                              main=dist.main)
     with _closing(models, backend), run_dir.metrics_log(dist) as log, tracker, \
             console.progress("ppo", ppo.steps, step) as bar:
-        if step == 0 and ppo.val_every:
+        if step == 0 and ppo.val_every and ppo.val_before_train:
             with _autocast(models.actor_engine):
                 row = {"step": 0, **validate(config, backend, models, 0)}
             log.append(row)

@@ -131,6 +131,16 @@ def test_tiny_run_writes_metrics_checkpoints_and_validation(two_steps, tokenizer
     assert (out / "val" / "step-0.json").is_file() and (out / "val" / "step-2.json").is_file()
 
 
+def test_val_before_train_off_validates_only_after_training(tiny_model_dir, tmp_path):
+    """ppo.val_before_train=false: no step-0 row or report; the last step still validates."""
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.steps=1", "ppo.zero_stage=0", "rollout.max_turns=1",
+                        "ppo.val_every=1", "ppo.val_before_train=false", "eval.seeds=1", "eval.pass_k=1"))
+    [row] = read_metrics(out)
+    assert row["step"] == 1 and "val_pass@1" in row
+    assert sorted(path.name for path in (out / "val").glob("step-*[0-9].json")) == ["step-1.json"]
+
+
 def ppo_model_dir(out):
     return json.loads((Path(out) / "manifest.json").read_text())["config"]["model"]["name"]
 

@@ -300,6 +300,9 @@ class PPOConfig(_Section):
     gradient_checkpointing: bool = False
     #: Validate on the eval seeds every N steps, before training and at the end; 0 turns it off.
     val_every: int = setting(10, ge=0)
+    #: With val_every, validate the starting model too (step 0; verl's val_before_train). Off where
+    #: that model has its own eval already, e.g. the pipeline's SFT arm, to save a full eval.
+    val_before_train: bool = True
     #: Write an HF checkpoint step-N/ every N steps (final/ is always written).
     save_every: int = setting(100, ge=1)
     #: Stop (writing final/) after this many steps in a row in which no group's episodes scored
