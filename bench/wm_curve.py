@@ -173,6 +173,56 @@ def prediction_error(turn: dict, render_mode: str) -> str:
     return "misshapen_grid" if [len(row) for row in grid] != [len(row) for row in room] else "wrong_grid"
 
 
+def prediction_ceiling(trajectories: Path) -> dict[str, dict[str, float]]:
+    """What any world model could score on a FrozenLake eval's turns (`<eval out>.trajectories.jsonl`):
+    slippery ice makes a turn's next state random, so the best prediction is its most likely state,
+    exact with that state's probability, and a model that has learnt the true distribution and
+    samples from it (temperature 1, as the evals do) is exact with the sum of the squared
+    probabilities. By the number of actions executed in the turn, and over all turns: the turns,
+    the model's exact predictions, and those two expected rates (percent)."""
+    from stages.agent.states import states_match
+
+    found: dict[int, list[tuple[bool, list[float]]]] = {}
+    for line in trajectories.read_text(encoding="utf-8").splitlines():
+        for turn in json.loads(line)["turns"]:
+            if turn.get("prediction") is not None and turn["executed"]:
+                exact = states_match(turn["prediction"], turn["next_state"])
+                found.setdefault(len(turn["executed"]), []).append((exact, outcome_chances(turn)))
+
+    def percent(values: list[float]) -> float:
+        return 100 * sum(values) / len(values)
+
+    def rates(rows: list[tuple[bool, list[float]]]) -> dict[str, float]:
+        return {"turns": len(rows), "model_exact": percent([exact for exact, _ in rows]),
+                "best_possible": percent([max(chances) for _, chances in rows]),
+                "true_distribution_sampled": percent([sum(p * p for p in chances) for _, chances in rows])}
+
+    by_actions = {str(actions): rates(rows) for actions, rows in sorted(found.items())}
+    return by_actions | ({"all": rates([row for rows in found.values() for row in rows])} if found else {})
+
+
+def outcome_chances(turn: dict) -> list[float]:
+    """The probabilities of the cells a FrozenLake turn's executed actions can end on, from the
+    cell its state shows (holes and the goal end the walk: `transitions` keeps them)."""
+    from envs.frozen_lake import FrozenLakeEnv
+    from stages.agent.states import grid_cells
+
+    grid = grid_cells(turn["state"])
+    cells = {(row, col): symbol for row, line in enumerate(grid) for col, symbol in enumerate(line)}
+    env = FrozenLakeEnv(size=len(grid))
+    env.holes = {cell for cell, symbol in cells.items() if symbol in "OX"}
+    [env.goal] = [cell for cell, symbol in cells.items() if symbol in "G√"]
+    [player] = [cell for cell, symbol in cells.items() if symbol in "PX√"]
+    where = {player: 1.0}
+    for action in turn["executed"]:
+        after: dict[tuple[int, int], float] = {}
+        for cell, chance in where.items():
+            for p, nxt in env.transitions(cell, env.action_names.index(action)):
+                after[nxt] = after.get(nxt, 0.0) + chance * p
+        where = after
+    return list(where.values())
+
+
 def plot(results: Path, out: Path) -> None:
     import matplotlib
 
@@ -227,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", type=Path, help="draw the results file into this PNG and exit")
     parser.add_argument("--errors", type=Path, metavar="TRAJECTORIES",
                         help="print the prediction errors by kind of a Sokoban eval's trajectories file and exit")
+    parser.add_argument("--ceiling", type=Path, metavar="TRAJECTORIES",
+                        help="print the exact predictions of a FrozenLake eval's trajectories file beside the best "
+                             "any world model could expect on the same turns (slippery ice), and exit")
     return parser
 
 
@@ -236,6 +289,8 @@ def main() -> None:
         return plot(Path(args.results), args.plot)
     if args.errors:
         return print(json.dumps(prediction_errors(args.errors)))
+    if args.ceiling:
+        return print(json.dumps(prediction_ceiling(args.ceiling), indent=1))
     run_point(args)
 
 

@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -72,3 +74,34 @@ def test_prediction_errors_are_told_apart_by_kind(tmp_path):
     path.write_text(json.dumps({"render_mode": "coords", "turns": turns}) + "\n")
     assert [wm_curve.prediction_error(turn, "coords") for turn in turns[:6]] == list(written)
     assert wm_curve.prediction_errors(path) == dict.fromkeys(wm_curve.ERROR_KINDS, 1)
+
+
+def test_frozen_lake_ceiling_is_the_likeliest_outcome_of_the_slips(tmp_path):
+    """Slippery ice: the intended direction and its two neighbours, 1/3 each; the edge keeps the
+    player in place and a hole ends the walk."""
+    from envs.frozen_lake import FrozenLakeEnv
+
+    wm_curve = load_wm_curve()
+
+    def state(player, holes):
+        env = FrozenLakeEnv(size=4)
+        env.holes, env.goal, env.start, env.player = set(holes), (3, 3), (0, 0), player
+        return env.render()
+
+    corner = {"state": state((0, 0), []), "executed": ["Left"], "next_state": state((1, 0), [])}
+    corner["prediction"] = corner["next_state"]  # exact
+    # Left from the corner: Up and Left bump the edges (stay, 2/3), Down slips to (1,0) (1/3).
+    assert sorted(wm_curve.outcome_chances(corner)) == pytest.approx([1 / 3, 2 / 3])
+    walk = {"state": state((0, 0), [(1, 0)]), "executed": ["Down", "Right"], "next_state": state((0, 1), [(1, 0)]),
+            "prediction": state((0, 0), [(1, 0)])}  # not exact
+    # Down: stay / hole / (0,1), 1/3 each; then Right from each. The hole keeps its 1/3 and gains
+    # 1/9 from (0,0); (0,1) is reached twice (1/9 + 1/9); (0,0), (1,1) and (0,2) once each.
+    assert sorted(wm_curve.outcome_chances(walk)) == pytest.approx([1 / 9, 1 / 9, 1 / 9, 2 / 9, 4 / 9])
+    path = tmp_path / "eval.trajectories.jsonl"
+    path.write_text(json.dumps({"turns": [corner, walk, {**walk, "prediction": None}]}) + "\n")
+    ceiling = wm_curve.prediction_ceiling(path)
+    assert ceiling.keys() == {"1", "2", "all"} and ceiling["1"]["turns"] == ceiling["2"]["turns"] == 1
+    assert ceiling["all"]["turns"] == 2 and ceiling["all"]["best_possible"] == pytest.approx(500 / 9)
+    assert (ceiling["1"]["model_exact"], ceiling["2"]["model_exact"]) == (100.0, 0.0)
+    assert [ceiling[k]["best_possible"] for k in "12"] == pytest.approx([200 / 3, 400 / 9])
+    assert [ceiling[k]["true_distribution_sampled"] for k in "12"] == pytest.approx([500 / 9, 2300 / 81])
