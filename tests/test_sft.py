@@ -182,7 +182,8 @@ def test_untrained_states_train_the_tags_but_not_the_states(tokenizer):
 
 def test_masked_rows_hold_no_state_text_in_input_or_target(tokenizer):
     """The paper's Fig. 4 ablation: every observation and prediction of the assistant turns, the
-    trained one and those of the context, is "[MASKED]", which carries no loss."""
+    trained one and those of the context, is "[MASKED]", which carries no loss ("placeholder":
+    the same text, the placeholder trained)."""
     messages = conversation(random.Random(9), turns=3, train=[False, False, True])
     states = [text for m in messages if m["role"] == "assistant"
               for text in re.findall(r"<(?:observation|prediction)>(.*?)</", m["content"], re.DOTALL)]
@@ -203,7 +204,11 @@ def test_masked_rows_hold_no_state_text_in_input_or_target(tokenizer):
         "<think> <observation>", "</observation> I push right. <prediction>",
         "</prediction> </think> <answer> Up </answer><|im_end|>"]
     assert mask_states(messages)[0] == messages[0] and mask_states(messages)[2]["content"] == masked
-    with pytest.raises(ValueError, match="state_text must be one of trained, masked, untrained"):
+    # "placeholder": the same text, and the placeholder is trained with the tags around it
+    placeholder = tokenize_row(tokenizer, messages, max_length=4096, state_text="placeholder")
+    assert placeholder.input_ids == example.input_ids
+    assert trained_runs(placeholder, tokenizer) == [masked + "<|im_end|>"]
+    with pytest.raises(ValueError, match="state_text must be one of trained, masked, placeholder, untrained"):
         tokenize_row(tokenizer, messages, max_length=4096, state_text="hidden")
 
 

@@ -190,8 +190,10 @@ class SFTConfig(_Section):
     #: The observation and prediction contents of assistant messages: "trained" (the paper's
     #: method, eq. 2); "masked" (the paper's Fig. 4 ablation, what SPA's released trainer does: the
     #: contents become "[MASKED]", in the target and in the history, with no loss on it);
-    #: "untrained" (the true states stay in the text but carry no loss).
-    state_text: Literal["trained", "masked", "untrained"] = "trained"
+    #: "placeholder" (as masked, but "[MASKED]" is trained: the format without states, a control
+    #: for a model too small to keep the format under masked); "untrained" (the true states stay in
+    #: the text but carry no loss).
+    state_text: Literal["trained", "masked", "placeholder", "untrained"] = "trained"
     #: Pack several rows into one micro-batch; null: only with flash-attention 2 (see stages/training/sft_data.py).
     packing: bool | None = None
     #: One row per turn (`clean.unit: turn`): keep a trajectory's rows in one optimizer step and compute
