@@ -137,6 +137,15 @@ def test_pass_at_k_figure_draws_a_line_and_a_band_per_report():
     assert min(lows) == pytest.approx(100 * min(low for _, low, _ in band.values()))
 
 
+def test_a_pass_at_k_figure_of_many_reports_gives_each_its_own_color_and_a_legend_beside_the_axes():
+    reports = [report(f"arm{i}", [i % 4, 1, 0, 2]) for i in range(11)]  # a pipeline's table has 11 rows
+    figure = plots.pass_at_k_figure(reports, [f"arm{i}" for i in range(11)])
+    (ax,) = figure.axes
+    assert len({tuple(line.get_color()) for line in ax.get_lines()}) == 11
+    figure.canvas.draw()
+    assert ax.get_legend().get_window_extent().x0 > ax.get_window_extent().x1
+
+
 def test_eval_compare_plots_the_reports(tmp_path):
     paths = []
     for name in ("a", "b"):

@@ -230,6 +230,10 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
 # ---- Pass@k ----------------------------------------------------------------------------------------
 
 
+#: Reports whose legend fits inside the Pass@k axes without hiding the lines.
+LEGEND_INSIDE_AT_MOST = 6
+
+
 def pass_at_k_figure(reports: dict | Sequence[dict], names: Sequence[str] | None = None) -> Any:
     """Pass@k against k, one line per report (labelled by `names`, default the model), with its
     95% bootstrap band over the puzzles (`metrics.pass_at_k_band`)."""
@@ -237,7 +241,9 @@ def pass_at_k_figure(reports: dict | Sequence[dict], names: Sequence[str] | None
 
     pyplot = _pyplot()
     reports = [reports] if isinstance(reports, dict) else list(reports)
-    figure, axes = pyplot.subplots(figsize=(6, 4), layout="constrained")
+    crowded = len(reports) > LEGEND_INSIDE_AT_MOST  # the legend would hide the lines: put it beside them
+    figure, axes = pyplot.subplots(figsize=(9, 4) if crowded else (6, 4), layout="constrained")
+    palette = pyplot.get_cmap("tab20") if len(reports) > 10 else None  # more lines than the default 10 colors
     largest = 1
     for index, report in enumerate(reports):
         settings = report["settings"]
@@ -253,7 +259,7 @@ def pass_at_k_figure(reports: dict | Sequence[dict], names: Sequence[str] | None
             ks, values = [k for k, _ in curve], [100 * v for _, v in curve]
             low = high = None
         largest = max(largest, ks[-1])
-        color = f"C{index % 10}"
+        color = palette(index % 20) if palette else f"C{index}"
         axes.plot(ks, values, marker="o", markersize=3, color=color, label=label)
         if low is not None:
             axes.fill_between(ks, low, high, color=color, alpha=0.15, linewidth=0)
@@ -265,7 +271,10 @@ def pass_at_k_figure(reports: dict | Sequence[dict], names: Sequence[str] | None
              title=f"Pass@k on {', '.join(envs_)} (bands: 95%, puzzles resampled)")
     axes.title.set_fontsize("medium")
     axes.grid(alpha=0.3)
-    axes.legend(loc="lower right", fontsize="small")
+    if crowded:
+        axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")
+    else:
+        axes.legend(loc="lower right", fontsize="small")
     return figure
 
 
