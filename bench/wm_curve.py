@@ -91,6 +91,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             "success": figures["pass@1"], "eval_turns": sum(t["turns"] for t in wm["per_turn"]),
             "base_prompt_format_valid": base["format_valid_rate"], "base_prompt_success": base["pass@1"],
             "prediction_errors": prediction_errors(trajectories) if args.env == "sokoban" else None,
+            "prediction_ceiling": prediction_ceiling(trajectories).get("all") if args.env == "frozen_lake" else None,
             "eval_seeds": args.eval_seeds, "tuning_seed": args.tuning_seed, "final": trained.get("final"),
         }
         points.append(point)
