@@ -208,13 +208,8 @@ def outcome_chances(turn: dict) -> list[float]:
     from envs.frozen_lake import FrozenLakeEnv
     from stages.agent.states import grid_cells
 
-    grid = grid_cells(turn["state"])
-    cells = {(row, col): symbol for row, line in enumerate(grid) for col, symbol in enumerate(line)}
-    env = FrozenLakeEnv(size=len(grid))
-    env.holes = {cell for cell, symbol in cells.items() if symbol in "OX"}
-    [env.goal] = [cell for cell, symbol in cells.items() if symbol in "G√"]
-    [player] = [cell for cell, symbol in cells.items() if symbol in "PX√"]
-    where = {player: 1.0}
+    env = FrozenLakeEnv.from_grid("\n".join("".join(row) for row in grid_cells(turn["state"])))
+    where = {env.player: 1.0}
     for action in turn["executed"]:
         after: dict[tuple[int, int], float] = {}
         for cell, chance in where.items():

@@ -153,6 +153,24 @@ class FrozenLakeEnv(TextGameEnv):
         self.steps = 0
         self._rng = random.Random(0)
 
+    @classmethod
+    def from_grid(cls, text: str, **kwargs) -> FrozenLakeEnv:
+        """An env in the position drawn in `text` (`render_grid`'s symbols, a row a line), e.g. to
+        replay a shown state's moves. The start renders as ice, so the player's cell stands for it."""
+        rows = [line.strip() for line in text.strip().splitlines()]
+        cells = {(row, col): symbol for row, line in enumerate(rows) for col, symbol in enumerate(line)}
+        players = [cell for cell, symbol in cells.items() if symbol in "PX√"]
+        goals = [cell for cell, symbol in cells.items() if symbol in "G√"]
+        if any(len(line) != len(rows) for line in rows) or not set(cells.values()) <= set(cls.legend) \
+                or len(players) != 1 or len(goals) != 1:
+            raise EnvError(f"not a FrozenLake grid (a square of {', '.join(cls.legend)} with one player and "
+                           f"one goal): {text!r}")
+        env = cls(size=len(rows), **kwargs)
+        env.holes = {cell for cell, symbol in cells.items() if symbol in "OX"}
+        [env.goal], [env.player] = goals, players
+        env.start = env.player
+        return env
+
     # ---- state ---------------------------------------------------------------------------
 
     def _reset(self, rng: random.Random) -> None:

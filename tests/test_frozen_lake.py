@@ -319,3 +319,18 @@ def test_instruction_texts_equal_the_reference_quotes():
     assert FrozenLakeEnv().instruction("base") == re.search(r'\*\*: "(.*)"$', base).group(1)
     head, example = re.search(r'\*\*: "(.*?)`(.*)`"$', world).groups()
     assert FrozenLakeEnv().instruction("world_model") == head + example.replace("\\n", "\n")
+
+
+def test_from_grid_puts_back_the_position_a_grid_shows():
+    for seed in range(10):
+        env = FrozenLakeEnv()
+        env.reset(seed=seed)
+        drawn = FrozenLakeEnv.from_grid(env.render_grid())
+        assert (drawn.holes, drawn.goal, drawn.player, drawn.size) == (env.holes, env.goal, env.player, 4)
+        assert drawn.render_grid() == env.render_grid()
+    in_hole = FrozenLakeEnv.from_grid("_G__\nO___\nX___\n____")
+    assert (in_hole.player, in_hole.holes, in_hole.goal) == ((2, 0), {(1, 0), (2, 0)}, (0, 1))
+    assert FrozenLakeEnv.from_grid("___√\n____\n_O__\n____").player == (0, 3)
+    for bad in ("_G__\nO___\n____", "_G__\nO_Q_\n____\n_P__", "____\n____\n____\n_P__"):
+        with pytest.raises(EnvError, match="not a FrozenLake grid"):
+            FrozenLakeEnv.from_grid(bad)

@@ -67,7 +67,8 @@ from stages.common.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
 STATE_TEXT = ("trained", "masked", "placeholder", "untrained")
-#: What "masked" and "placeholder" write in place of every observation and prediction (the paper's "[MASKED]").
+#: What "masked" and "placeholder" write in place of every observation and prediction (the
+#: paper's "[MASKED]").
 MASK_PLACEHOLDER = "[MASKED]"
 
 
