@@ -61,7 +61,8 @@ Outputs in ``ppo.out``, the run directory of `stages.training.checkpoints`: ``me
 line per step; step 0 holds the validation before training), ``step-N/`` every ``ppo.save_every``
 steps and ``final/`` (Hugging Face directories of the actor with its tokenizer),
 ``val/step-N.json`` (`spa eval` reports with their trajectories, every ``ppo.val_every`` steps,
-before training unless ``ppo.val_before_train`` is off, and at the end), ``manifest.json``, and
+before training unless ``ppo.val_before_train`` is off, and at the end unless ``ppo.val_after_train``
+is off), ``manifest.json``, and
 ``trainer_state/`` for ``--resume`` (actor and critic engines with their optimizers, the step, the
 seed counter and the RNG state), written with each checkpoint.
 
@@ -144,8 +145,8 @@ CONSTANT_LR_STEPS = 2**62
 #: AdamW betas of verl's actor and critic (SPA sets none).
 ADAM_BETAS = (0.9, 0.999)
 #: Settings that may differ between a run and its --resume without changing what is computed.
-RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
-               "gradient_checkpointing", "pack_groups", "stop_without_spread"}
+RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "val_after_train", "save_every",
+               "micro_batch_tokens", "gradient_checkpointing", "pack_groups", "stop_without_spread"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -580,7 +581,10 @@ def validate(config: SPAConfig, backend: Any, models: Models, step: int) -> dict
     from stages.evaluation.runner import evaluate
 
     out = Path(config.ppo.out) / "val" / f"step-{step}.json"
-    val_config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, out=str(out)), quiet=True)
+    # the report and its episodes name what played: the live actor of this run at this step
+    live_actor = dataclasses.replace(config.model, name=f"{config.ppo.out} (step {step})")
+    val_config = dataclasses.replace(config, model=live_actor, eval=dataclasses.replace(config.eval, out=str(out)),
+                                     quiet=True)
     _reset_caches(backend)
     found = evaluate(val_config, backend, model=models.generator, tokenizer=models.tokenizer,
                      dist=models.dist)["metrics"]
@@ -722,7 +726,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
                    **train_stats, **timer.seconds, "steps_without_spread": flat_steps}
             update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
-            if ppo.val_every and (step % ppo.val_every == 0 or step == ppo.steps or stopped):
+            last_step = step == ppo.steps or stopped
+            if ppo.val_every and (ppo.val_after_train if last_step else step % ppo.val_every == 0):
                 models.actor.eval()
                 with timer("validation"), _autocast(models.actor_engine):
                     row |= validate(config, backend, models, step)
@@ -731,7 +736,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             tracker.log(row)
             last = row
             progress = {"step": step, "seed_counter": seed_counter, "flat_steps": flat_steps, "stopped": stopped}
-            if step == ppo.steps or stopped:
+            if last_step:
                 save_checkpoint(run_dir, FINAL_DIR, models, progress)
             elif step % ppo.save_every == 0:
                 save_checkpoint(run_dir, f"step-{step}", models, progress)

@@ -141,6 +141,23 @@ def test_val_before_train_off_validates_only_after_training(tiny_model_dir, tmp_
     assert sorted(path.name for path in (out / "val").glob("step-*[0-9].json")) == ["step-1.json"]
 
 
+def test_val_after_train_off_skips_only_the_last_steps_validation(tiny_model_dir, tmp_path):
+    """ppo.val_after_train=false: steps on the val_every grid validate, the last one does not."""
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.steps=2", "ppo.zero_stage=0", "rollout.max_turns=1",
+                        "ppo.val_every=1", "ppo.val_before_train=false", "ppo.val_after_train=false",
+                        "eval.seeds=1", "eval.pass_k=1"))
+    rows = read_metrics(out)
+    assert [row["step"] for row in rows] == [1, 2]
+    assert "val_pass@1" in rows[0] and "val_pass@1" not in rows[1]
+    assert sorted(path.name for path in (out / "val").glob("step-*[0-9].json")) == ["step-1.json"]
+    assert (out / "final" / "model.safetensors").is_file()
+    report = json.loads((out / "val" / "step-1.json").read_text())
+    episodes = (out / "val" / "step-1.trajectories.jsonl").read_text().splitlines()
+    assert report["settings"]["model"] == f"{out} (step 1)"  # the live actor, not the starting model
+    assert {json.loads(line)["model"] for line in episodes} == {f"{out} (step 1)"}
+
+
 def ppo_model_dir(out):
     return json.loads((Path(out) / "manifest.json").read_text())["config"]["model"]["name"]
 

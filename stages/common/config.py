@@ -305,6 +305,9 @@ class PPOConfig(_Section):
     #: With val_every, validate the starting model too (step 0; verl's val_before_train). Off where
     #: that model has its own eval already, e.g. the pipeline's SFT arm, to save a full eval.
     val_before_train: bool = True
+    #: With val_every, validate after the last step too. Off where the final model gets its own eval
+    #: right after, e.g. a pipeline arm's, to save a full eval.
+    val_after_train: bool = True
     #: Write an HF checkpoint step-N/ every N steps (final/ is always written).
     save_every: int = setting(100, ge=1)
     #: Stop (writing final/) after this many steps in a row in which no group's episodes scored
