@@ -226,7 +226,7 @@ def plot(results: Path, out: Path) -> None:
     from matplotlib import pyplot as plt
 
     points = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    figure, axes = plt.subplots(1, 2, figsize=(14, 4))
     for ax, key, label in ((axes[0], "prediction_exact", "exact predictions (%)"),
                            (axes[1], "observation_exact", "exact observations (%)")):
         series: dict[str, list[dict]] = {}
@@ -239,7 +239,8 @@ def plot(results: Path, out: Path) -> None:
                     color=plt.get_cmap("tab20")(index % 20))  # more runs than the default cycle's 10 colors
         ax.set(xlabel="SFT tokens computed (thousands)", ylabel=label, ylim=(0, 100))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize="x-small")
+    # beside the axes: inside them the points' names covered the high points
+    axes[1].legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.tight_layout()
     figure.savefig(out, dpi=120)
 
