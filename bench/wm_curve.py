@@ -1,11 +1,14 @@
 """How good a world model does RandSFT make on a CPU, for its cost? One point of the curve a run.
 
 A point is: `--games` RandSFT games (random actions, `--actions MIN MAX` a turn, up to `--turns`
-turns, `--reasoning` fixed or naming the actions, the true states filled in by `spa clean`, one
+turns, `--reasoning` fixed or naming the actions, `--moves` any or only those that change the
+state, the true states filled in by `spa clean`, one
 row per `--unit`, `--base-prompt-fraction` of them shown with the base prompt), world-model SFT of the
 bundled model for `--epochs` epochs, then the world-model accuracy of each epoch's checkpoint on
 unseen rooms (one sample each, the world-model prompt): well-formed turns,
-exact observations, exact predictions and prediction cells, with the SFT's wall time and tokens;
+exact observations, exact predictions (all, and of the turns whose actions changed the state: a
+copied observation is exact whenever they changed nothing) and prediction cells, with the SFT's
+wall time and tokens;
 and, on the same rooms, its well-formed turns and successes with the base prompt (the prompt PPO
 and the eval arms use: the format learnt on one prompt need not carry over to the other).
 The rooms measured are tuning rooms (seeds 20000.. by default): unseen in training, and not the
@@ -46,6 +49,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
     name = args.name or (f"{args.env}-g{args.games}-a{args.actions[0]}-{args.actions[1]}-t{args.turns}-{args.unit}"
                          f"-e{args.epochs}" + ("-selfplay" if args.self_play else "")
                          + ("-named" if args.reasoning == "actions" else "")
+                         + ("-effective" if args.moves == "effective" else "")
                          + (f"-bp{round(100 * args.base_prompt_fraction)}" if args.base_prompt_fraction else ""))
     work = Path(args.work) / name
     common = [f"env.name={args.env}", f"model.dtype={args.dtype}", "quiet=true",
@@ -53,7 +57,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
     data = load_config(None, [
         *common, f"model.name={args.from_model}", f"rollout.backend={'hf' if args.self_play else 'random'}",
         f"rollout.random_actions=[{args.actions[0]},{args.actions[1]}]", f"rollout.random_reasoning={args.reasoning}",
-        f"rollout.groups={args.games}",
+        f"rollout.random_moves={args.moves}", f"rollout.groups={args.games}",
         "rollout.group_size=1", f"rollout.seed={args.train_seed}", f"generate.out={work}/trajectories.jsonl",
         "generate.resume=true", f"clean.data={work}/trajectories.jsonl", f"clean.out={work}/sft.jsonl",
         f"clean.unit={args.unit}", "clean.val_fraction=0", f"clean.base_prompt_fraction={args.base_prompt_fraction}",
@@ -79,7 +83,7 @@ def run_point(args: argparse.Namespace) -> list[dict]:
         upto = [m for m in metrics if m["epoch"] <= epoch]
         point = {
             "name": name, "env": args.env, "games": args.games, "actions": list(args.actions), "turns": args.turns,
-            "unit": args.unit, "reasoning": args.reasoning, "base_prompt_fraction": args.base_prompt_fraction,
+            "unit": args.unit, "reasoning": args.reasoning, "moves": args.moves, "base_prompt_fraction": args.base_prompt_fraction,
             "self_play": args.self_play, "from_model": args.from_model, "epoch": epoch,
             "epochs": args.epochs, "rows": cleaned["train_rows"], "lr": args.lr, "global_batch": args.global_batch,
             "sft_tokens": sum(m["tokens"] for m in upto), "sft_computed_tokens": computed_tokens(upto),
@@ -87,6 +91,8 @@ def run_point(args: argparse.Namespace) -> list[dict]:
             "sft_seconds": round(sum(m["seconds"] for m in upto), 1), "sft_wall_s": round(sft_seconds, 1),
             "train_loss": upto[-1]["loss"], "format_valid": figures["format_valid_rate"],
             "observation_exact": wm["observation"]["exact_match"], "prediction_exact": wm["prediction"]["exact_match"],
+            "prediction_of_change_exact": wm["prediction_of_change"]["exact_match"],
+            "prediction_of_change_turns": wm["prediction_of_change"]["turns"],
             "prediction_cells": wm["prediction"]["cell_accuracy"], "observation_cells": wm["observation"]["cell_accuracy"],
             "success": figures["pass@1"], "eval_turns": sum(t["turns"] for t in wm["per_turn"]),
             "base_prompt_format_valid": base["format_valid_rate"], "base_prompt_success": base["pass@1"],
@@ -226,21 +232,26 @@ def plot(results: Path, out: Path) -> None:
     from matplotlib import pyplot as plt
 
     points = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    figure, axes = plt.subplots(1, 2, figsize=(14, 4))
+    figure, axes = plt.subplots(1, 3, figsize=(19, 4))
     for ax, key, label in ((axes[0], "prediction_exact", "exact predictions (%)"),
-                           (axes[1], "observation_exact", "exact observations (%)")):
+                           (axes[1], "prediction_of_change_exact", "exact predictions, state changed (%)"),
+                           (axes[2], "observation_exact", "exact observations (%)")):
         series: dict[str, list[dict]] = {}
         for point in points:
             series.setdefault(point["name"], []).append(point)
         for index, (name, run) in enumerate(sorted(series.items())):
-            run.sort(key=lambda p: p["epoch"])
+            # the same color for a run in every panel; a point without the figure (recorded
+            # before it existed, its episodes since deleted) is left out of that panel
+            run = sorted((p for p in run if p.get(key) is not None), key=lambda p: p["epoch"])
+            if not run:
+                continue
             cost = [(p.get("prior_sft_computed_tokens", 0) + p["sft_computed_tokens"]) / 1000 for p in run]
             ax.plot(cost, [100 * (p[key] or 0) for p in run], marker="o", label=name,
                     color=plt.get_cmap("tab20")(index % 20))  # more runs than the default cycle's 10 colors
         ax.set(xlabel="SFT tokens computed (thousands)", ylabel=label, ylim=(0, 100))
         ax.grid(alpha=0.3)
     # beside the axes: inside them the points' names covered the high points
-    axes[1].legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.02, 0.5))
+    axes[2].legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.tight_layout()
     figure.savefig(out, dpi=120)
 
@@ -254,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--unit", choices=("trajectory", "turn"), default="trajectory")
     parser.add_argument("--reasoning", choices=("fixed", "actions"), default="fixed",
                         help="RandSFT's reasoning: the paper's fixed sentence, or that sentence naming the actions")
+    parser.add_argument("--moves", choices=("any", "effective"), default="any",
+                        help="RandSFT's moves: uniform (the paper's), or uniform over those that change the state")
     parser.add_argument("--base-prompt-fraction", type=float, default=0.0,
                         help="share of the games whose SFT rows show the base prompt (clean.base_prompt_fraction)")
     parser.add_argument("--epochs", type=int, default=3)

@@ -98,7 +98,7 @@ SECTIONS = {
 ARM_SECTIONS = ("generate", "clean", "sft", "ppo", "eval")
 #: Rollout settings that only the random backend reads: part of the fingerprint of its stages alone,
 #: so that changing how the RandSFT data is drawn does not rerun the arms that never read it.
-RANDOM_BACKEND_KEYS = ("random_actions", "random_reasoning")
+RANDOM_BACKEND_KEYS = ("random_actions", "random_reasoning", "random_moves")
 #: Keys the pipeline sets itself (paths, resuming).
 PIPELINE_KEYS = ("out", "data", "val_data", "resume")
 #: Eval settings an arm may have of its own; the rest is the same for every arm.
@@ -690,12 +690,12 @@ def write_table(the_plan: Plan) -> str:
     with_ppl = any(row["state_ppl_coords"] is not None for row in rows)
     first = labels[names[0]] if names else "the first arm"
     header = [the_plan.config.env.name, "Pass@1", f"Pass@{k}", "observation exact", "prediction exact",
-              "prediction cells", *(["state PPL raw / coords"] if with_ppl else []),
+              "prediction exact, state changed", "prediction cells", *(["state PPL raw / coords"] if with_ppl else []),
               f"Pass@1 vs {first} [95%]", f"Pass@{k} vs {first} [95%]"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, row in zip(names, rows):
         figures = [_percent(row[key]) for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
-                                                  "prediction_cells")]
+                                                  "prediction_of_change_exact", "prediction_cells")]
         if with_ppl:
             figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
         figures += [difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"])]

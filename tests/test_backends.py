@@ -304,6 +304,36 @@ def test_random_backend_names_the_actions_it_draws():
     assert make_backend(config.model, config.rollout, prompt_mode="base").name_actions
 
 
+def test_random_backend_draws_only_effective_moves_when_asked():
+    def requests(name):
+        rooms = [envs.make(name) for _ in range(40)]
+        for seed, room in enumerate(rooms):
+            room.reset(seed=seed)
+        return [GenerationRequest(f"k{i}", [], room) for i, room in enumerate(rooms)]
+
+    def idle_moves(name, **options):
+        """Drawn actions that leave the state as it was, replayed on each room in turn."""
+        idle, games = 0, requests(name)
+        outs = RandomBackend("base", seed=5, actions_per_turn=(1, 3), **options).generate(games, SamplingParams())
+        for request, out in zip(games, outs):
+            room = request.env
+            before = room.render()
+            for action in out.text.split("<answer> ")[1].split(" </answer>")[0].split(" || "):
+                after, _, terminated, truncated, info = room.step(action)
+                idle += after == before
+                assert info["action_is_effective"] == (after != before)
+                before = after
+                if terminated or truncated:
+                    break
+        return idle
+
+    assert idle_moves("sokoban") > 10  # uniform moves walk into walls
+    assert idle_moves("sokoban", effective_only=True) == 0
+    config = SPAConfig()
+    config.rollout.backend, config.rollout.random_moves = "random", "effective"
+    assert make_backend(config.model, config.rollout, prompt_mode="base").effective_only
+
+
 def test_random_backend_draws_a_count_between_min_and_max():
     backend = RandomBackend("world_model", seed=0, actions_per_turn=(1, 5))
     keys = [f"k{i}" for i in range(200)]

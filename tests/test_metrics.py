@@ -271,6 +271,9 @@ def test_world_model_metrics_on_hand_made_turns():
     assert pred["turns"] == 2 and pred["coverage"] == pytest.approx(2 / 4)
     assert pred["exact_match"] == pytest.approx(1 / 2)
     assert pred["cell_accuracy"] == pytest.approx((34 / 36 + 1) / 2)
+    # Of the two predictions only the first turn's state changed (Sudoku's prediction is a copy).
+    assert wm["prediction_of_change"] == {"turns": 1, "coverage": 1 / 4, "exact_match": 0.0,
+                                          "cell_accuracy": pytest.approx(34 / 36)}
     first, second = wm["per_turn"]
     assert first["turn"] == 1 and first["turns"] == 2
     assert first["observation"]["exact_match"] == 1.0 and first["prediction"]["exact_match"] == 0.5

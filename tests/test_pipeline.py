@@ -308,13 +308,14 @@ def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
     table = (run_dir / "table.md").read_text()
     assert table == result["table"]
     rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table.splitlines()]
-    assert rows[0] == ["sokoban", "Pass@1", "Pass@2", "observation exact", "prediction exact", "prediction cells",
+    assert rows[0] == ["sokoban", "Pass@1", "Pass@2", "observation exact", "prediction exact",
+                       "prediction exact, state changed", "prediction cells",
                        "Pass@1 vs base model [95%]", "Pass@2 vs base model [95%]"]
     assert [row[0] for row in rows[2:]] == ["base model", "+ Vanilla RL", "+ SPA SFT", "+ SPA"]
     base, spa = (json.loads((run_dir / "eval" / f"{n}.json").read_text()) for n in ("base", "spa"))
-    assert rows[2][1] == f"{100 * base['metrics']['pass@1']:.1f}" and rows[2][6:] == ["-", "-"]
+    assert rows[2][1] == f"{100 * base['metrics']['pass@1']:.1f}" and rows[2][7:] == ["-", "-"]
     diff, low, high = metrics.paired_difference(base["per_seed"], spa["per_seed"], 1)
-    assert rows[5][6] == f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+    assert rows[5][7] == f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
 def test_the_run_directory_gets_its_training_curves_and_pass_at_k_plots(finished):
@@ -367,11 +368,11 @@ def test_a_changed_setting_reruns_only_the_stages_that_read_it(tiny_model_dir, t
     # sft changed, so did its checkpoint: PPO from it and its eval rerun; the data does not
     assert result["skipped"] == ["eval/base", "generate/selfplay", "clean/selfplay"]
     # how the random policy draws its data is read by the data stage only, not by the base arm's eval
-    redrawn = tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[base, spa]", "sft.lr=2e-4",
-                            "rollout.random_reasoning=actions")
-    assert pipeline.statuses(pipeline.plan(redrawn)) == {
-        "eval/base": "complete", "generate/selfplay": "run", "clean/selfplay": "run", "sft/spa": "run",
-        "ppo/spa": "run", "eval/spa": "run"}
+    for setting in ("rollout.random_reasoning=actions", "rollout.random_moves=effective"):
+        redrawn = tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[base, spa]", "sft.lr=2e-4", setting)
+        assert pipeline.statuses(pipeline.plan(redrawn)) == {
+            "eval/base": "complete", "generate/selfplay": "run", "clean/selfplay": "run", "sft/spa": "run",
+            "ppo/spa": "run", "eval/spa": "run"}, setting
 
 
 def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):

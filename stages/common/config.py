@@ -129,6 +129,10 @@ class RolloutConfig(_Section):
     #: The random backend's reasoning: "fixed", the paper's one sentence; "actions", that sentence
     #: then the actions drawn ("I move Left."), so the prediction follows a stated action.
     random_reasoning: Literal["fixed", "actions"] = "fixed"
+    #: The random backend's moves: "any", uniform over the game's actions (the paper's RandSFT);
+    #: "effective", uniform over those that change the state (no walking into walls), so that a
+    #: prediction is never right by copying the observation.
+    random_moves: Literal["any", "effective"] = "any"
     #: vLLM's share of the GPU's memory: weights, activations and KV cache (vllm backend on a GPU).
     gpu_memory_utilization: float = setting(0.6, gt=0, le=1)
     #: GiB of vLLM's KV cache (vllm backend); null: on a GPU what gpu_memory_utilization leaves, on a

@@ -221,14 +221,20 @@ def world_model_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     * ``observation`` is compared with the turn's ``state`` (the text it was shown);
     * ``prediction`` with the turn's ``next_state`` (the true state after the turn's actions).
 
+    * ``prediction_of_change``: the predictions of the turns whose actions changed the state (the
+      true next state differs from the state). Copying the observation is an exact prediction
+      whenever the actions changed nothing (a Sokoban move into a wall), so ``prediction`` alone
+      cannot tell a world model from a copier; this can.
+
     For each kind: ``turns`` (turns with the tag), ``coverage`` (their share of all turns),
     ``exact_match`` (share equal to the truth after `normalize_state`) and ``cell_accuracy``
     (mean over those turns of `cell_accuracy`); None when no turn has the tag. ``per_turn`` lists
-    the same figures by turn number (1-based), so a reader sees whether accuracy holds up as the
-    episode goes on.
+    the observation and prediction figures by turn number (1-based), so a reader sees whether
+    accuracy holds up as the episode goes on.
     """
     total_turns = sum(len(t["turns"]) for t in trajectories)
     overall = {kind: _WmTally() for kind, _ in _WM_KINDS}
+    of_change = _WmTally()
     turns_at: dict[int, int] = {}  # turn number -> episodes that reached it
     by_turn: dict[int, dict[str, _WmTally]] = {}
     for trajectory in trajectories:
@@ -242,7 +248,10 @@ def world_model_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
                 exact, cells = states_match(written, truth), cell_accuracy(written, truth)
                 overall[kind].add(exact, cells)
                 tallies[kind].add(exact, cells)
+                if kind == "prediction" and not states_match(turn["state"], truth):
+                    of_change.add(exact, cells)
     result: dict[str, Any] = {kind: overall[kind].summary(total_turns) for kind, _ in _WM_KINDS}
+    result["prediction_of_change"] = of_change.summary(total_turns)
     result["per_turn"] = [
         {"turn": number, "turns": turns_at[number],
          **{kind: tallies[kind].summary(turns_at[number]) for kind, _ in _WM_KINDS}}

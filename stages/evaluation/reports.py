@@ -120,6 +120,7 @@ def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[
             "pass@k_vs_first": _paired(reports[0], report, k) if report is not reports[0] else None,
             "observation_exact": wm.get("observation", {}).get("exact_match"),
             "prediction_exact": wm.get("prediction", {}).get("exact_match"),
+            "prediction_of_change_exact": wm.get("prediction_of_change", {}).get("exact_match"),
             "observation_cells": wm.get("observation", {}).get("cell_accuracy"),
             "prediction_cells": wm.get("prediction", {}).get("cell_accuracy"),
             "state_ppl_raw": figures.get("state_perplexity", {}).get("raw", {}).get("ppl"),

@@ -45,14 +45,15 @@ def _compare_cells(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], lis
     """The headers and the cells (percent) of the side-by-side table."""
     ks = {row["k"] for row in rows}
     k_header = f"Pass@{next(iter(ks))}" if len(ks) == 1 else "Pass@k"
-    headers = ("report", "model", "prompt, states", "Pass@1", k_header, "obs exact", "pred exact", "obs cells",
-               "pred cells")
+    headers = ("report", "model", "prompt, states", "Pass@1", k_header, "obs exact", "pred exact",
+               "pred exact, changed", "obs cells", "pred cells")
     cells = []
     for row in rows:
         k_cell = _percent(row["pass@k"]) + ("" if k_header != "Pass@k" else f" (k={row['k']})")
         cells.append((row["report"], row["model"], f"{row['prompt_mode']}, {row['render_mode']}",
                       _percent(row["pass@1"]), k_cell,
                       _percent(row["observation_exact"]), _percent(row["prediction_exact"]),
+                      _percent(row["prediction_of_change_exact"]),
                       _percent(row["observation_cells"]), _percent(row["prediction_cells"])))
     return headers, cells
 
@@ -166,10 +167,12 @@ def report_renderable(report: dict):
     wm = figures.get("world_model")
     if wm and any(wm[kind]["turns"] for kind in ("observation", "prediction")):
         overall = _table("world model", "tag written (%)", "exact match (%)", "cell accuracy (%)")
-        for kind in ("observation", "prediction"):
-            row = wm[kind]
-            overall.add_row(kind, _percent(row["coverage"]), _percent(row["exact_match"]),
-                            _percent(row["cell_accuracy"]))
+        for label, kind in (("observation", "observation"), ("prediction", "prediction"),
+                            ("prediction, state changed", "prediction_of_change")):
+            row = wm.get(kind)  # reports written before prediction_of_change existed lack it
+            if row:
+                overall.add_row(label, _percent(row["coverage"]), _percent(row["exact_match"]),
+                                _percent(row["cell_accuracy"]))
         parts.append(overall)
         per_turn = _table("turn", "episodes", "obs exact", "pred exact", "obs cells", "pred cells")
         per_turn.title, per_turn.title_justify = "by turn (%)", "left"

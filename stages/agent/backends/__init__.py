@@ -50,7 +50,8 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, prompt_mo
         from stages.agent.backends.random import RandomBackend
 
         return RandomBackend(prompt_mode, rollout.sample_seed, tuple(rollout.random_actions),
-                            name_actions=rollout.random_reasoning == "actions")
+                            name_actions=rollout.random_reasoning == "actions",
+                            effective_only=rollout.random_moves == "effective")
     from stages.common.models import load_model, load_tokenizer, resolve_model
 
     path = resolve_model(model_config.name)

@@ -5,9 +5,13 @@ Each completion is what follows the generation prefix ``<think>``: fixed reasoni
 the game's own ``sample_action``. With ``rollout.random_reasoning: actions`` the reasoning also names
 the actions drawn ("... I move Left, Up."), so that the prediction written after it is the next
 state of a stated action, as in self-play data where the model's reasoning states its plan; the
-paper's RandSFT keeps the sentence fixed (the default). In world-model mode the
-``<observation>`` and ``<prediction>`` tags are left empty; ``spa clean`` fills them with the true
-states, which turns these episodes into the paper's RandSFT data.
+paper's RandSFT keeps the sentence fixed (the default). With ``rollout.random_moves: effective``
+each action is drawn among those that change the state, tried on a copy of the game: uniform
+random Sokoban moves walk into a wall about half the time, and a model trained on them learns
+that the next state is usually the current one (on slippery FrozenLake the copy slips as the game
+will, so the data keeps fewer slips that end where they began than the ice makes). In world-model
+mode the ``<observation>`` and ``<prediction>`` tags are left empty; ``spa clean`` fills them with
+the true states, which turns these episodes into the paper's RandSFT data.
 
 Each episode draws from its own generator, seeded from (seed, key, turn) with a stable hash, so
 an episode's actions do not depend on which other episodes share its batch or on their order.
@@ -15,6 +19,7 @@ an episode's actions do not depend on which other episodes share its batch or on
 
 from __future__ import annotations
 
+import copy
 import random
 
 from stages.agent.backends.base import Completion, GenerationRequest, SamplingParams
@@ -37,7 +42,7 @@ class RandomBackend:
     model = None  # no Hugging Face model in this process
 
     def __init__(self, prompt_mode: str, seed: int = 0, actions_per_turn: tuple[int, int] = (3, 3),
-                 name_actions: bool = False):
+                 name_actions: bool = False, effective_only: bool = False):
         if prompt_mode not in PROMPT_MODES:
             raise UserError(f"prompt_mode must be one of {', '.join(PROMPT_MODES)}, got {prompt_mode!r}")
         low, high = actions_per_turn
@@ -47,6 +52,7 @@ class RandomBackend:
         self.seed = seed
         self.actions_per_turn = (low, high)
         self.name_actions = name_actions
+        self.effective_only = effective_only
         self._turns: dict[str, int] = {}  # calls seen per key, so each turn draws fresh actions
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
@@ -68,7 +74,8 @@ class RandomBackend:
         rng = random.Random(stable_seed(self.seed, request.key, turn))
         low, high = self.actions_per_turn
         count = low if low == high else rng.randint(low, high)  # one draw fewer keeps fixed counts' actions as before
-        drawn = [env.sample_action(rng) for _ in range(count)]
+        drawn = _effective_actions(env, rng, count) if self.effective_only else \
+            [env.sample_action(rng) for _ in range(count)]
         actions = " || ".join(drawn)
         reason = REASONS.get(env.name, DEFAULT_REASON)
         if self.name_actions:
@@ -80,3 +87,26 @@ class RandomBackend:
         return Completion(token_ids=[], text=f"{think} </think> <answer> {actions} </answer>", logprobs=None,
                           finish_reason="stop")
 
+
+#: Draws of `sample_action` tried for one effective action before taking one that changes nothing.
+EFFECTIVE_TRIES = 32
+
+
+def _effective_actions(env, rng: random.Random, count: int) -> list[str]:
+    """`count` actions, each uniform over those that change the state after the ones before it
+    (rejection sampling on a copy of `env`); drawing stops when the game ends. An action that
+    changes nothing is kept only when `EFFECTIVE_TRIES` draws found none that does."""
+    game = copy.deepcopy(env)
+    drawn: list[str] = []
+    while len(drawn) < count:
+        for _ in range(EFFECTIVE_TRIES):
+            action = env.sample_action(rng)
+            trial = copy.deepcopy(game)
+            *_, info = trial.step(action)
+            if info.get("action_is_effective"):
+                break
+        drawn.append(action)
+        _, _, terminated, truncated, _ = game.step(action)
+        if terminated or truncated:
+            break
+    return drawn
