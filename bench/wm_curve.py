@@ -137,12 +137,18 @@ ERROR_KINDS = ("exact", "another_action", "coordinates_wrong", "another_actions_
                "wrong_grid")
 
 
+def jsonl_lines(path: Path) -> list[str]:
+    """The lines of a JSONL file, split on newlines only (str.splitlines would also split at a
+    U+2028 or U+0085 that a model wrote into a response, which JSON keeps unescaped)."""
+    return [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+
+
 def prediction_errors(trajectories: Path) -> dict[str, int]:
     """The predictions of a Sokoban eval's episodes (`<eval out>.trajectories.jsonl`) counted by
     kind: turns with a prediction and exactly one executed action (a longer turn's "other action"
     is not defined)."""
     counts = dict.fromkeys(ERROR_KINDS, 0)
-    for line in trajectories.read_text(encoding="utf-8").splitlines():
+    for line in jsonl_lines(trajectories):
         episode = json.loads(line)
         for turn in episode["turns"]:
             if turn.get("prediction") is not None and len(turn["executed"]) == 1:
@@ -190,7 +196,7 @@ def prediction_ceiling(trajectories: Path) -> dict[str, dict[str, float]]:
     from stages.agent.states import states_match
 
     found: dict[int, list[tuple[bool, list[float]]]] = {}
-    for line in trajectories.read_text(encoding="utf-8").splitlines():
+    for line in jsonl_lines(trajectories):
         for turn in json.loads(line)["turns"]:
             if turn.get("prediction") is not None and turn["executed"]:
                 exact = states_match(turn["prediction"], turn["next_state"])

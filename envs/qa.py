@@ -82,7 +82,9 @@ class Question:
 def read_questions(path: str | Path) -> list[Question]:
     """Every question of the JSONL file; a malformed line is an EnvError naming file and line."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        # split on newlines only: JSON strings may hold U+2028, U+0085 or a form feed unescaped,
+        # which str.splitlines would take for line ends
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as err:
         raise EnvError(f"cannot read the QA file {path}: {err}") from None
     questions = []

@@ -45,6 +45,14 @@ def test_the_file_is_read_in_order_and_blank_lines_are_skipped(tmp_path):
                                                                ("How many legs do 3 spiders have?", "24")]
 
 
+def test_line_separators_inside_a_question_do_not_end_its_line(tmp_path):
+    # valid JSON may hold U+2028, U+2029 and U+0085 unescaped (ensure_ascii=False writes them so)
+    question = "Line one\u2028line two\u2029three\x85four?"
+    path = write_jsonl(tmp_path / "q.jsonl", [json.dumps({"question": question, "answer": "4"}, ensure_ascii=False),
+                                              json.dumps(QUESTIONS[2])])
+    assert [q.question for q in QAEnv(path=path).questions] == [question, "Capital of France?"]
+
+
 @pytest.mark.parametrize("bad_line, message", [
     ('{"question": "Q?", "answer": ', r"q\.jsonl:3: not JSON"),
     ('["Q?", "A"]', r'q\.jsonl:3: expected an object with a "question" text'),

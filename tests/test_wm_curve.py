@@ -70,8 +70,10 @@ def test_prediction_errors_are_told_apart_by_kind(tmp_path):
              for text in written.values()]
     turns += [{"state": state, "next_state": pushed, "executed": ["Right"], "prediction": None},  # not counted
               {"state": state, "next_state": pushed, "executed": ["Right", "Up"], "prediction": pushed}]
+    # the episode's reports write model text unescaped: a U+2028 in a response is not a line end
+    turns[0]["response"] = "<think> \u2028 </think>"
     path = tmp_path / "eval.trajectories.jsonl"
-    path.write_text(json.dumps({"render_mode": "coords", "turns": turns}) + "\n")
+    path.write_text(json.dumps({"render_mode": "coords", "turns": turns}, ensure_ascii=False) + "\n")
     assert [wm_curve.prediction_error(turn, "coords") for turn in turns[:6]] == list(written)
     assert wm_curve.prediction_errors(path) == dict.fromkeys(wm_curve.ERROR_KINDS, 1)
 
