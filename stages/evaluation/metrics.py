@@ -219,8 +219,7 @@ def world_model_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     """Accuracy of the model's own state descriptions, over the turns where it wrote the tag.
 
     * ``observation`` is compared with the turn's ``state`` (the text it was shown);
-    * ``prediction`` with the turn's ``next_state`` (the true state after the turn's actions).
-
+    * ``prediction`` with the turn's ``next_state`` (the true state after the turn's actions);
     * ``prediction_of_change``: the predictions of the turns whose actions changed the state (the
       true next state differs from the state). Copying the observation is an exact prediction
       whenever the actions changed nothing (a Sokoban move into a wall), so ``prediction`` alone
