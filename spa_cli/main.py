@@ -160,28 +160,36 @@ def user_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from envs import EnvError
-        from stages.common.errors import UserError
-
         try:
-            return command(*args, **kwargs)
-        except (UserError, EnvError) as err:
-            _fail(str(err))
-        except OSError as err:
-            if err.errno not in OS_ERROR_FIXES:
-                raise
-            where = f": {err.filename}" if err.filename else ""
-            _fail(f"{err.strerror}{where}; {OS_ERROR_FIXES[err.errno]}")
+            return _reporting_errors(command, args, kwargs)
         except KeyboardInterrupt:
+            # Ctrl-C, or a launcher's SIGTERM (`distributed._stop_on_sigterm`), which can also land
+            # while an error below is being reported (a rank that lost its peer is stopped by the
+            # launcher at that moment): either way the stage can be resumed, and says so
             _stop_resumably("interrupted", kwargs)
-        except Exception as err:
-            from stages.common.distributed import lost_peer
-
-            if not lost_peer(err):
-                raise
-            _stop_resumably("another rank of this run stopped, so this one stops too", kwargs)
 
     return wrapper
+
+
+def _reporting_errors(command: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
+    from envs import EnvError
+    from stages.common.errors import UserError
+
+    try:
+        return command(*args, **kwargs)
+    except (UserError, EnvError) as err:
+        _fail(str(err))
+    except OSError as err:
+        if err.errno not in OS_ERROR_FIXES:
+            raise
+        where = f": {err.filename}" if err.filename else ""
+        _fail(f"{err.strerror}{where}; {OS_ERROR_FIXES[err.errno]}")
+    except Exception as err:
+        from stages.common.distributed import lost_peer
+
+        if not lost_peer(err):
+            raise
+        _stop_resumably("another rank of this run stopped, so this one stops too", kwargs)
 
 
 def _stop_resumably(what: str, kwargs: dict[str, Any]) -> None:

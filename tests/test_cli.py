@@ -49,6 +49,30 @@ def test_user_errors_are_one_line_with_exit_code_2(args, message):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("interrupted_while", ["running", "reporting a lost peer"])
+def test_an_interrupt_ends_with_the_resume_hint_even_while_an_error_is_reported(interrupted_while, monkeypatch,
+                                                                                  capsys):
+    """A launcher SIGTERMs (KeyboardInterrupt, `_stop_on_sigterm`) the other ranks when one dies,
+    and may do so while a rank is still reporting the collective its peer broke: the hint must
+    come out either way (typer would otherwise turn the interrupt into a silent exit 130)."""
+    import typer
+
+    from spa_cli import main
+    from stages.common import distributed
+
+    def stage(resume: bool = False):
+        raise KeyboardInterrupt if interrupted_while == "running" else RuntimeError("Connection closed by peer")
+
+    def sigterm_now(err):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distributed, "lost_peer", sigterm_now)
+    with pytest.raises(typer.Exit) as stopped:
+        main.user_errors(stage)(resume=False)
+    assert stopped.value.exit_code == 130
+    assert capsys.readouterr().err.strip() == "interrupted; run the same command again with --resume to resume"
+
+
 def test_envs_lists_the_games(monkeypatch):
     from spa_cli import main
 
