@@ -137,19 +137,14 @@ ERROR_KINDS = ("exact", "another_action", "coordinates_wrong", "another_actions_
                "wrong_grid")
 
 
-def jsonl_lines(path: Path) -> list[str]:
-    """The lines of a JSONL file, split on newlines only (str.splitlines would also split at a
-    U+2028 or U+0085 that a model wrote into a response, which JSON keeps unescaped)."""
-    return [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-
-
 def prediction_errors(trajectories: Path) -> dict[str, int]:
     """The predictions of a Sokoban eval's episodes (`<eval out>.trajectories.jsonl`) counted by
     kind: turns with a prediction and exactly one executed action (a longer turn's "other action"
     is not defined)."""
+    from stages.common.artifacts import read_jsonl
+
     counts = dict.fromkeys(ERROR_KINDS, 0)
-    for line in jsonl_lines(trajectories):
-        episode = json.loads(line)
+    for episode in read_jsonl(trajectories)[0]:
         for turn in episode["turns"]:
             if turn.get("prediction") is not None and len(turn["executed"]) == 1:
                 counts[prediction_error(turn, episode.get("render_mode", "coords"))] += 1
@@ -194,10 +189,11 @@ def prediction_ceiling(trajectories: Path) -> dict[str, dict[str, float]]:
     probabilities. By the number of actions executed in the turn, and over all turns: the turns,
     the model's exact predictions, and those two expected rates (percent)."""
     from stages.agent.states import states_match
+    from stages.common.artifacts import read_jsonl
 
     found: dict[int, list[tuple[bool, list[float]]]] = {}
-    for line in jsonl_lines(trajectories):
-        for turn in json.loads(line)["turns"]:
+    for episode in read_jsonl(trajectories)[0]:
+        for turn in episode["turns"]:
             if turn.get("prediction") is not None and turn["executed"]:
                 exact = states_match(turn["prediction"], turn["next_state"])
                 found.setdefault(len(turn["executed"]), []).append((exact, outcome_chances(turn)))

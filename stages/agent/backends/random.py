@@ -100,7 +100,7 @@ def _effective_actions(env, rng: random.Random, count: int) -> list[str]:
     drawn: list[str] = []
     while len(drawn) < count:
         for _ in range(EFFECTIVE_TRIES):
-            action = env.sample_action(rng)
+            action = game.sample_action(rng)
             trial = copy.deepcopy(game)
             *_, info = trial.step(action)
             if info.get("action_is_effective"):
