@@ -11,6 +11,12 @@
 Weights load from safetensors only: a pickled `pytorch_model.bin` can run code when loaded, so a
 directory or hub repo without safetensors is refused.
 
+Sizing without loading (`model_shape`, for `spa plan`): a model is built from its config.json on
+torch's meta device and counted. The config comes from the model directory, the Hugging Face cache,
+or the copies spa ships (`SHIPPED_CONFIGS`: the built-in model and the paper's Qwen2.5-0.5B/1.5B/3B-
+and Llama-3.2-1B-Instruct), so planning needs no network; any other hub id is refused in one line
+that says what to download.
+
 Device and precision: CUDA when present, else CPU; with `model.dtype: auto` bf16 on GPU and, on a
 CPU, whichever of fp32 and bf16 a short matmul probe finds faster (`cpu_auto_dtype`);
 flash-attention 2 where it can run (`pick_attention`), else SDPA. `trust_remote_code` stays off unless asked for.
@@ -34,6 +40,7 @@ outputs; every other call is transformers' SDPA.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -90,6 +97,97 @@ def resolve_model(name: str) -> str:
         return str(_converted_builtin(name))
     path = Path(name).expanduser()
     return str(path) if path.is_dir() else name  # a hub id; loading fails with one line if it cannot be reached
+
+
+#: config.json of the models the paper uses and of the built-in model, shipped so that `spa plan` and
+#: `spa pipeline --dry-run` size them without the network (README "Planning a GPU run").
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+
+
+def config_dir(name: str, download: bool = False) -> Path:
+    """A directory holding the config.json of the model `name` names: a local model directory, the
+    Hugging Face cache's copy for a hub id, else the copy spa ships (built-in model, the paper's
+    models). Nothing touches the network unless `download`, which fetches a hub id's config.json
+    (a run about to download the whole model); otherwise a model found nowhere is a UserError."""
+    check_model_name(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    shipped = SHIPPED_CONFIGS / name.replace("/", "--")
+    if name in BUILTIN_MODELS:
+        return shipped
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json")
+    if isinstance(cached, str):
+        return Path(cached).parent
+    if (shipped / "config.json").is_file():
+        return shipped
+    if not download:
+        raise UserError(f"model {name}: its config.json is not in the Hugging Face cache and spa ships none for it; "
+                        f"download it (hf download {name} config.json, a few KB) or give a local model directory")
+    try:
+        return Path(hf_hub_download(name, "config.json")).parent
+    except Exception as err:  # noqa: BLE001 - offline, unknown repo, gated: each is one line for the user
+        raise UserError(f"cannot fetch the config.json of model {name}: {_first_line(err)}") from None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory planning needs to know of a model (`stages.training.memory`)."""
+
+    name: str
+    #: Parameters, tied weights counted once.
+    params: int
+    #: Parameters of an untied LM head (0 when tied to the embeddings): what a critic's value head replaces.
+    head_params: int
+    #: The most parameters one module holds itself (ZeRO-3 gathers module by module).
+    largest_module_params: int
+    #: The sum of (inputs + outputs) over the linear layers LoRA adapts (all but the LM head): a LoRA
+    #: adapter of rank r has r times this many parameters.
+    lora_dims: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Keys and values of one token in every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+@functools.lru_cache(maxsize=16)
+def model_shape(name: str, trust_remote_code: bool = False, download: bool = False) -> ModelShape:
+    """The shape of the model `name` names, counted on a model built from its config.json on torch's
+    meta device (no weights, no memory, no network unless `download`: `config_dir`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    where = config_dir(name, download)
+    try:
+        config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        text = config.get_text_config()
+        intermediate = text.intermediate_size
+    except (OSError, ValueError, KeyError, AttributeError) as err:
+        raise UserError(f"cannot size model {name} from {where / 'config.json'}: {_first_line(err)}") from None
+    head = model.get_output_embeddings()
+    tied = head is None or head.weight is model.get_input_embeddings().weight
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return ModelShape(
+        name=name,
+        params=sum(p.numel() for p in model.parameters()),  # parameters() yields a tied weight once
+        head_params=0 if tied else sum(p.numel() for p in head.parameters()),
+        largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        lora_dims=sum(m.in_features + m.out_features for m in linears),
+        hidden=text.hidden_size, layers=text.num_hidden_layers, heads=text.num_attention_heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        intermediate=intermediate, vocab=text.vocab_size)
 
 
 def _converted_builtin(name: str) -> Path:
