@@ -301,6 +301,9 @@ class PPOConfig(_Section):
     #: 0: plain torch (one process); 1-3: DeepSpeed ZeRO (CPU or CUDA; under ZeRO-3 the hf backend
     #: generates with an unsharded copy of the actor, refreshed after every update).
     zero_stage: Literal[0, 1, 2, 3] = 2
+    #: CPU optimizer offload of actor and critic (ZeRO-3: parameters too); CUDA only. What lets a 3B
+    #: model's actor and critic fit one 80 GB GPU beside vLLM (`spa plan` shows the figures).
+    offload: bool = False
     #: Save memory for speed: recompute activations in the backward pass and, on the CPU, hand
     #: freed memory back to the OS at once (the 4 GB SmolLM2 full fine-tune at 2048 tokens).
     gradient_checkpointing: bool = False
