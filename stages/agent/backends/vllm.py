@@ -13,7 +13,8 @@ and on a CPU makes ``torch.set_num_threads`` a no-op. `close` undoes the freeze 
 engine; the tests run vLLM in processes of their own.
 
 Memory. On a GPU, ``rollout.gpu_memory_utilization`` is vLLM's share of the GPU (weights, activations
-and KV cache). On a CPU, vLLM reads the same setting as a share of all RAM minus what the process
+and KV cache); vLLM starts only where that share is free, even when ``rollout.kv_cache_gb`` sizes its
+KV cache instead. On a CPU, vLLM reads the same setting as a share of all RAM minus what the process
 already holds, which fails as soon as the process holds a trainer; instead the KV cache gets
 ``rollout.kv_cache_gb`` GiB, or, when that is null, what ``rollout.batch_size`` conversations of
 4096 tokens need, at most a quarter of the memory free at start (`kv_cache_budget`).
@@ -134,6 +135,12 @@ def kv_cache_budget(model_path: str, device: str, dtype, kv_cache_gb: float | No
     per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype.itemsize  # keys and values
     longest = int(getattr(text, "max_position_embeddings", None) or 4096)
     free = _free_bytes(device)
+    if device == "cuda":  # vLLM starts only where its share is free, even with kv_cache_gb (`request_memory`)
+        wanted = gpu_memory_utilization * _total_bytes(device)
+        if wanted > free:
+            raise UserError(f"rollout.gpu_memory_utilization={gpu_memory_utilization:g} asks vLLM for "
+                            f"{wanted / GiB:.1f} GiB but {free / GiB:.1f} GiB of the GPU are free (vLLM needs that "
+                            "share free when it starts, rollout.kv_cache_gb or not); lower it")
     if kv_cache_gb is not None:
         budget = int(kv_cache_gb * GiB)
         if budget > free:
@@ -141,10 +148,6 @@ def kv_cache_budget(model_path: str, device: str, dtype, kv_cache_gb: float | No
             raise UserError(f"rollout.kv_cache_gb={kv_cache_gb:g} is more than the {free / GiB:.1f} GiB of {where} "
                             "free on this machine; lower it, or set it to null to size the cache automatically")
     elif device == "cuda":
-        wanted = gpu_memory_utilization * _total_bytes(device)
-        if wanted > free:
-            raise UserError(f"rollout.gpu_memory_utilization={gpu_memory_utilization:g} asks vLLM for "
-                            f"{wanted / GiB:.1f} GiB but {free / GiB:.1f} GiB of the GPU are free; lower it")
         return EngineMemory(None, longest, gpu_memory_utilization)
     else:
         budget = min(max_num_seqs * min(longest, CONVERSATION) * per_token, int(AUTO_KV_SHARE * free))
