@@ -405,8 +405,8 @@ def pipeline(
     config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False,
     run_dir: Annotated[str | None, _flag("pipeline.dir", "Run directory.", "--dir")] = None,
     report_to: ReportToOpt = None,
-    dry_run: Annotated[bool, typer.Option(help="Print the plan (stages, arms, models, modes, sizes); run "
-                                          "and write nothing.", show_default="false")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Print the plan (stages, arms, models, modes, sizes, memory "
+                                          "per GPU); run and write nothing.", show_default="false")] = False,
     json_: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON.",
                                         show_default="false")] = False,
 ) -> None:
@@ -423,8 +423,41 @@ def pipeline(
             typer.echo(json.dumps(plan.to_json(), indent=2))
         else:
             console.print(stage.describe(plan), highlight=False, markup=False, soft_wrap=True)
+        error = stage.memory_error(stage.memory_plans(plan))
+        if error:  # what the run would refuse on a GPU of this size
+            _fail(error)
         return
     stage.run(cfg)
+
+
+@app.command("plan")
+@user_errors
+def plan_(
+    config: Annotated[Path, typer.Argument(help="YAML config file (a pipeline's, or a stage's with --stage).")],
+    set_: SetOpt = None,
+    gpus: Annotated[int, typer.Option(help="GPUs each stage runs on (a launcher's ranks).")] = 1,
+    gpu_memory: Annotated[float | None, typer.Option(
+        help="GiB of one GPU.", show_default="the GPU here, else 79.2: an 80 GB A100 or H100")] = None,
+    stage: Annotated[str | None, typer.Option(help="generate | sft | ppo | eval: that command alone.",
+                                              show_default="the stages of `spa pipeline`")] = None,
+    format_: FormatOpt = "table", as_json: JsonOpt = False,
+) -> None:
+    """Memory per GPU of every stage (weights, gradients, optimizer state, activations, buckets, vLLM)
+    before anything runs; exits 2 with the settings that would make it fit when a stage does not."""
+    from stages import plan as stage_plan
+    from stages.evaluation.tables import markdown_table, print_wide
+
+    shape = _output_format(format_, as_json)
+    cfg = _load(config, set_, False)
+    report = stage_plan.run(cfg, gpus, gpu_memory, stage)
+    if shape == "json":
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    elif shape == "markdown":
+        typer.echo(markdown_table(stage_plan.headings(), stage_plan.rows(report)), nl=False)
+    else:
+        print_wide(stage_plan.describe(report, str(config)), console)
+    if not report.fits:
+        _fail(report.error)
 
 
 # ---- looking at runs ----------------------------------------------------------------------------

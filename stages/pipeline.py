@@ -57,7 +57,9 @@ A stage is skipped when it completed before with the same fingerprint: the confi
 reads plus the hashes of its inputs. A stage that started but did not finish is resumed (every stage
 resumes on its own); one whose settings or inputs changed since is started over (its old output is
 removed first). Later stages see the new inputs' hashes, so they rerun too. `plan` checks every arm
-and stage before anything runs or is written; `spa pipeline --dry-run` prints it.
+and stage before anything runs or is written; `spa pipeline --dry-run` prints it, with each stage's
+memory per GPU (`memory_plans`, sized from the arm's starting model, without the network); on a
+GPU, `run` refuses, before the first stage, a pipeline one of whose stages would not fit.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ from stages.common import artifacts, distributed, spa_data, tracking
 from stages.common.config import EnvConfig, SPAConfig, from_dict, with_overrides
 from stages.common.console import Console, duration
 from stages.common.errors import UserError
-from stages.common.models import check_model_name
+from stages.common.models import check_model_name, model_shape, pick_device
+from stages.training import memory
 
 STATE_FILE = "pipeline_state.json"
 KINDS = ("generate", "clean", "sft", "ppo", "eval")
@@ -348,11 +351,13 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         status = statuses(self)
+        planned = {stage.name: plan for stage, plan in memory_plans(self)}
         return {
             "dir": str(self.dir), "env": self.config.env.name, "model": self.config.model.name,
             "arms": [{"name": arm.name, "label": arm.label, "stages": _arm_stages(self.rows[arm.name]),
                       "report": self.rows[arm.name].config.eval.out} for arm in self.arms],
-            "stages": [{"name": stage.name, **describe_stage(stage), "status": status[stage.name]}
+            "stages": [{"name": stage.name, **describe_stage(stage), "status": status[stage.name],
+                        **({"memory": planned[stage.name].to_json()} if stage.name in planned else {})}
                        for stage in self.stages],
         }
 
@@ -502,6 +507,7 @@ def describe_stage(stage: Stage) -> dict[str, Any]:
 def describe(the_plan: Plan) -> str:
     """The plan as text: the arms (table rows), then each stage with its status."""
     status = statuses(the_plan)
+    by_name = {stage.name: plan for stage, plan in memory_plans(the_plan)}
     config = the_plan.config
     title = (f"spa pipeline: {the_plan.dir} ({config.env.name}, {config.model.name}): {len(the_plan.arms)} arms, "
              f"{len(the_plan.stages)} stages")
@@ -518,7 +524,47 @@ def describe(the_plan: Plan) -> str:
         if "prompt_mode" in info:
             lines.append(f"      {'prompt':<8} {info['prompt_mode']}, states {info['render_mode']}")
         lines += [f"      {'size':<8} {info['size']}", f"      {'output':<8} {info['output']}"]
+        if stage.name in by_name:
+            lines.append(f"      {'memory':<8} {memory.verdict(by_name[stage.name])}")
     return "\n".join(lines)
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+
+
+def starting_model(stage: Stage) -> str:
+    """The model the stage's arm starts from (a later stage trains or evaluates its outputs, which
+    have its shape and do not exist yet)."""
+    while stage.upstream is not None:
+        stage = stage.upstream
+    return stage.config.model.name
+
+
+def memory_plans(the_plan: Plan, gpus: int = 1, capacity: int | None = None,
+                 download: bool = False) -> list[tuple[Stage, memory.StagePlan]]:
+    """The memory plan (`stages.training.memory`) of every stage that uses a GPU, on `gpus` GPUs of
+    `capacity` bytes (default: the GPU here, else an 80 GB one), each sized from its arm's starting
+    model without the network unless `download`."""
+    capacity = capacity or memory.capacity()
+    planned = []
+    for stage in the_plan.stages:
+        if stage.kind == "clean":
+            continue
+        shape = model_shape(starting_model(stage), stage.config.model.trust_remote_code, download)
+        planned.append((stage, memory.plan_stage(stage.kind, stage.config, shape, gpus, capacity, stage.name)))
+    return planned
+
+
+def memory_error(planned: list[tuple[Stage, memory.StagePlan]]) -> str:
+    """The one-line refusal of the first stage that does not fit ("" when every one fits), naming what
+    would make it fit; `spa pipeline` runs in one process, so more GPUs are not among the fixes."""
+    too_big = [(stage, plan) for stage, plan in planned if not plan.fits]
+    if not too_big:
+        return ""
+    stage, plan = too_big[0]
+    shape = model_shape(starting_model(stage), stage.config.model.trust_remote_code)
+    others = f" (and {len(too_big) - 1} more stage{'s' if len(too_big) > 2 else ''})" if len(too_big) > 1 else ""
+    return memory.too_big(plan, stage.config, shape, other_gpus=False, who=stage.name + others)
 
 
 # ---- running ---------------------------------------------------------------------------------------
@@ -592,6 +638,10 @@ def run(config: SPAConfig) -> dict[str, Any]:
     check_backend(config.model, config.rollout)  # a missing vLLM fails now, not after the SFT
     tracking.check(config.tracking)  # before the first stage, not when sft starts
     the_plan = plan(config)
+    if pick_device(config.model.device).startswith("cuda"):  # every stage fits this GPU, or nothing runs
+        error = memory_error(memory_plans(the_plan, download=True))
+        if error:
+            raise UserError(f"{error} (spa plan CONFIG shows every stage)")
     artifacts.check_writable(the_plan.dir)
     the_plan.dir.mkdir(parents=True, exist_ok=True)
     state_path = the_plan.dir / STATE_FILE

@@ -120,8 +120,8 @@ from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
 from stages.training import engine as eng
+from stages.training import memory, trainable
 from stages.training import ppo_algos as algos
-from stages.training import trainable
 from stages.training.checkpoints import FINAL_DIR, RunDir, merged_lora_state_dict, save_hf_checkpoint
 from stages.training.policy import StepPolicy, ValueModel
 from stages.training.ppo_samples import (
@@ -153,7 +153,8 @@ RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "val_a
 
 
 def check_config(config: SPAConfig, world: int = 1) -> None:
-    """Refuse settings PPO cannot run with, on `world` ranks, each with one line that names the numbers."""
+    """Refuse settings PPO cannot run with, on `world` ranks, each with one line that names the numbers
+    (the settings alone: what the machine must have, `run` checks)."""
     ppo, rollout = config.ppo, config.rollout
     env = check_modes(config.env, ppo.prompt_mode, ppo.render_mode, "ppo")  # the game, its options and modes
     if ppo.val_every:
@@ -198,7 +199,6 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
         raise UserError("ppo.score_in_update holds several forwards of the actor before their backwards, which "
                         "ZeRO-3's sharded parameters do not allow (the gradients come out wrong); use "
                         "ppo.zero_stage 0-2, or ppo.score_in_update=false")
-    check_backend(config.model, rollout)  # vLLM installed, the model's architecture, the memory
     if world > 1:
         _check_world(config, world)
 
@@ -656,7 +656,10 @@ def load_checkpoint(run_dir: RunDir, models: Models) -> torch.Tensor:
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Train ``config.model.name`` with PPO on ``config.env.name``; returns a summary of the run."""
-    check_config(config, distributed.launched_world())
+    world = distributed.launched_world()
+    check_config(config, world)
+    check_backend(config.model, config.rollout)  # vLLM installed, the model's architecture, the memory
+    memory.require_fit(config, "ppo", world)  # on a GPU: trainer, vLLM and activations fit it
     tracking.check(config.tracking)
     ppo = config.ppo
     run_dir = RunDir(ppo.out, "ppo")

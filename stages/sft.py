@@ -47,7 +47,7 @@ from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
 from stages.training import engine as eng
-from stages.training import trainable
+from stages.training import memory, trainable
 from stages.training.checkpoints import RunDir, copy_checkpoint, save_hf_checkpoint
 from stages.training.sft_data import (
     DataStats,
@@ -72,6 +72,8 @@ def run(config: SPAConfig, dry_run: bool = False) -> dict:
     """Train (or, with `dry_run`, only write the first rows' tokens and masks). Returns a summary."""
     cfg, console = config.sft, Console(config.quiet)
     tracking.check(config.tracking)
+    if not dry_run:
+        memory.require_fit(config, "sft", distributed.launched_world())  # on a GPU: before anything loads
     if cfg.lora_rank > 0 and cfg.zero_stage == 3:
         raise UserError("LoRA with ZeRO-3 is not supported; use --set sft.zero_stage=2 (LoRA weights are small)")
     data, spa_val = spa_data.locate(cfg.data)

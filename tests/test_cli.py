@@ -23,7 +23,7 @@ def invoke(*args, input=None):
 def test_help_lists_every_stage_and_helper():
     result = invoke("--help")
     assert result.exit_code == 0
-    for command in ("generate", "clean", "sft", "ppo", "eval", "config", "envs", "play"):
+    for command in ("generate", "clean", "sft", "ppo", "eval", "config", "envs", "play", "plan"):
         assert command in result.output
 
 
@@ -178,7 +178,7 @@ def test_bash_completion_script_completes_commands_and_flags(tmp_path):
         env = {**os.environ, "PATH": f"{spa.parent}:{os.environ['PATH']}"}
         return subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, check=True).stdout.split()
 
-    assert complete("spa", "pl") == ["plot", "play"]
+    assert complete("spa", "pl") == ["plan", "plot", "play"]
     assert complete("spa", "generate", "--group") == ["--groups", "--group-size"]
     assert complete("spa", "eval", "comp") == ["compare"]
 

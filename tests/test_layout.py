@@ -4,7 +4,8 @@
 * `stages` never imports `spa_cli`;
 * inside `stages`, imports flow down: the entry modules (one per stage) import the shared
   sub-packages, a sub-package imports only those below it (common <- agent <- training <-
-  evaluation), and an entry module imports no other entry module but `pipeline`, which chains them.
+  evaluation), and an entry module imports no other entry module but `pipeline`, which chains them,
+  and `plan`, which plans the pipeline's stages.
 
 Every import statement counts, at module level or inside a function.
 """
@@ -48,9 +49,11 @@ def allowed(importer: str, imported: str) -> bool:
     parts, target = importer.split("."), imported.split(".")
     if len(target) < 2:
         return True  # `import stages` alone
-    if len(parts) == 2 and parts[1] in (*ENTRIES, "pipeline"):  # an entry module
+    if len(parts) == 2 and parts[1] in (*ENTRIES, "pipeline", "plan"):  # an entry module
         if target[1] in LAYERS:
             return True
+        if parts[1] == "plan":
+            return target[1] == "pipeline"
         return parts[1] == "pipeline" and target[1] in ENTRIES
     if len(parts) >= 3 and parts[1] in LAYERS:
         return target[1] in LAYERS and LAYERS.index(target[1]) <= LAYERS.index(parts[1])
@@ -79,6 +82,8 @@ def test_the_rule_itself_catches_an_upward_import():
     assert not allowed("stages.ppo", "stages.evaluate")
     assert allowed("stages.pipeline", "stages.ppo") and allowed("stages.ppo", "stages.evaluation.runner")
     assert allowed("stages.evaluation.runner", "stages.agent.proxy")
+    assert allowed("stages.plan", "stages.pipeline") and not allowed("stages.pipeline", "stages.plan")
+    assert not allowed("stages.sft", "stages.plan")
 
 
 def test_the_readme_layout_names_every_sub_package():
@@ -87,5 +92,5 @@ def test_the_readme_layout_names_every_sub_package():
     for package in LAYERS:
         assert f"{package}/" in layout, package
         assert (ROOT / "stages" / package / "__init__.py").is_file()
-    for entry in (*ENTRIES, "pipeline"):
+    for entry in (*ENTRIES, "pipeline", "plan"):
         assert (ROOT / "stages" / f"{entry}.py").is_file()

@@ -243,10 +243,13 @@ def test_the_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     plan = json.loads(result.output)
     assert [arm["name"] for arm in plan["arms"]] == ["base", "spa"]
     assert plan["arms"][1]["stages"] == ["generate/selfplay", "clean/selfplay", "sft/spa", "ppo/spa", "eval/spa"]
+    assert [stage["name"] for stage in plan["stages"] if "memory" not in stage] == ["clean/selfplay"]
+    memory = plan["stages"][0].pop("memory")  # its figures: tests/test_memory_plan.py
     assert plan["stages"][0] == {
         "name": "eval/base", "kind": "eval", "arms": ["base"], "env": "sokoban", "model": BASE,
         "prompt_mode": "base", "render_mode": "text", "size": "128 puzzles x 8 samples, Pass@8",
         "output": str(run_dir / "eval" / "base.json"), "status": "run"}
+    assert memory["name"] == "eval/base" and memory["fits"] is True
     assert not run_dir.exists()
     result = runner.invoke(app, ["pipeline", "--json"])
     assert result.exit_code == 2 and "use it with --dry-run" in result.output
