@@ -332,6 +332,16 @@ def test_a_stage_that_does_not_fit_exits_2_with_one_line():
     assert result.stderr.startswith("error: ppo needs ") and "set ppo.offload=true" in result.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--stage", "clean"], "--stage must be one of generate, sft, ppo, eval, got 'clean'"),
+    (["--gpus", "0"], "--gpus must be >= 1, got 0"),
+    (["--gpu-memory", "-1"], "--gpu-memory must be > 0 GiB, got -1"),
+])
+def test_bad_plan_flags_are_one_line(args, says):
+    result = runner.invoke(app, ["plan", str(SOKOBAN), *args])
+    assert result.exit_code == 2 and result.stderr == f"error: {says}\n"
+
+
 def test_gpus_and_gpu_memory_change_the_plan():
     result = runner.invoke(app, ["plan", str(SOKOBAN), "--stage", "sft", "--gpus", "4", "--gpu-memory", "39.4",
                                  "--json"])
