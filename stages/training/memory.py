@@ -380,7 +380,7 @@ def fixes(kind: str, config: SPAConfig, shape: ModelShape, gpus: int, capacity: 
     if other_gpus:
         count = next((n for n in GPU_COUNTS if n > gpus and _splits(kind, config, n) and planned({}, n).fits), None)
         if count is not None:
-            text += f"{' or ' if text else ''}run on {count} GPUs"
+            text += f"{', or ' if len(options) > 1 else ' or ' if text else ''}run on {count} GPUs"
     return text or "no setting spa plans for makes it fit: use a GPU with more memory, or a smaller model"
 
 
