@@ -203,7 +203,9 @@ def test_version():
 
 def test_bash_completion_script_completes_commands_and_flags(tmp_path):
     spa = Path(sys.executable).parent / "spa"
-    script = subprocess.run([spa, "--show-completion", "bash"], capture_output=True, text=True, check=True).stdout
+    proc = subprocess.run([spa, "--show-completion", "bash"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    script = proc.stdout
     assert "complete -o default -F _spa_completion spa" in script
     (tmp_path / "spa.bash").write_text(script)
 
