@@ -51,7 +51,7 @@ class NaiveGenerateBackend:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = sorted(end_token_ids(model, tokenizer))
 
-    def generate(self, requests, params):
+    def generate(self, requests, params, progress=None):
         import torch
 
         from stages.agent.backends.base import Completion
@@ -69,6 +69,8 @@ class NaiveGenerateBackend:
             finish = "eos" if tokens and tokens[-1] in self.eos_ids else "stop"
             completions.append(Completion(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True),
                                           None, "length" if len(tokens) == params.max_new_tokens else finish))
+        if progress is not None:
+            progress(sum(len(c.token_ids) for c in completions), len(completions))
         return completions
 
     def release(self, keys):

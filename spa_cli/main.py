@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import inspect
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -33,10 +35,33 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 _UsageError = typer.BadParameter.__mro__[1]
 
 
-class _OneLineUsageErrors(TyperGroup):
-    """Click reports a bad flag (an unknown option, `--groups abc`) in a framed box under the usage
+#: `spa --help` lists the commands in the order of the recipe, then what looks at runs, then helpers.
+COMMAND_PANELS = {
+    "Recipe stages": ("generate", "clean", "sft", "ppo", "eval", "pipeline"),
+    "Looking at runs": ("plot", "view"),
+    "Helpers": ("plan", "envs", "play", "config"),
+}
+COMMAND_ORDER = [name for names in COMMAND_PANELS.values() for name in names]
+
+
+class _SpaGroup(TyperGroup):
+    """The root command. Its help lists the commands in the panels and order of `COMMAND_PANELS`,
+    and every help text of the app (commands and flags, sub-commands included) is reflowed once,
+    here (`reflow`), so that it wraps where the terminal does, not where a docstring's lines end.
+
+    Click reports a bad flag (an unknown option, `--groups abc`) in a framed box under the usage
     line; spa reports it in one line, like its other user errors. Subcommands are parsed inside the
     root's invoke, so the root covers them all."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        _reflow_help(self)
+        for panel, names in COMMAND_PANELS.items():
+            for name in names:
+                self.commands[name].rich_help_panel = panel
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return sorted(super().list_commands(ctx), key=COMMAND_ORDER.index)
 
     def make_context(self, *args: Any, **kwargs: Any) -> Any:
         with _usage_errors_in_one_line():
@@ -45,6 +70,23 @@ class _OneLineUsageErrors(TyperGroup):
     def invoke(self, ctx: Any) -> Any:
         with _usage_errors_in_one_line():
             return super().invoke(ctx)
+
+
+def reflow(text: str) -> str:
+    """`text` with each paragraph (blank-line separated) on one line, for the terminal to wrap."""
+    paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(text))
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+
+
+def _reflow_help(command: Any) -> None:
+    """Reflow the help of `command`, of its flags and of its sub-commands."""
+    if command.help:
+        command.help = reflow(command.help)
+    for param in command.params:
+        if getattr(param, "help", None):
+            param.help = reflow(param.help)
+    for sub in getattr(command, "commands", {}).values():
+        _reflow_help(sub)
 
 
 @contextlib.contextmanager
@@ -60,14 +102,16 @@ def _usage_errors_in_one_line():
 
 app = typer.Typer(
     name="spa",
-    cls=_OneLineUsageErrors,
-    help="SPA: world-model self-play finetuning for agentic RL (arXiv 2510.15047).",
+    cls=_SpaGroup,
+    help="SPA: world-model self-play finetuning for agentic RL (arXiv 2510.15047).\n\n"
+         "Each stage reads the built-in defaults, then a YAML config (--config), then --set overrides, then "
+         "its own flags; `spa pipeline` runs the stages one after the other.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-config_app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
+config_app = typer.Typer(help="Show the configuration a command runs with.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-eval_app = typer.Typer(help="Evaluate a model: Pass@k, world-model accuracy, state perplexity.")
+eval_app = typer.Typer()  # its help is eval_'s docstring
 app.add_typer(eval_app, name="eval")
 
 console = Console()
@@ -243,7 +287,10 @@ def generate(
     out: Annotated[str | None, _out("generate", "trajectories.jsonl to write.")] = None,
     resume: Annotated[bool | None, _resume("generate")] = None,
 ) -> None:
-    """Self-play rollouts: play the game with a policy and write trajectories.jsonl."""
+    """Play the game with a model and write its episodes to trajectories.jsonl (self-play data).
+
+    rollout.groups puzzles x rollout.group_size episodes of up to rollout.max_turns turns each.
+    Every episode is appended as it finishes, so --resume continues a stopped run."""
     from stages import generate as stage
 
     cfg = _load(config, set_, quiet, env__name=env, model__name=model, rollout__backend=backend,
@@ -269,7 +316,10 @@ def clean(
         "clean.base_prompt_fraction", "Share of the trajectories shown with the base prompt, states kept.")] = None,
     skip_bad: Annotated[bool | None, _flag("clean.skip_bad", "Skip unreadable lines instead of stopping.")] = None,
 ) -> None:
-    """Ground-truth state replacement and filters: trajectories.jsonl -> sft.jsonl (+ sft.val.jsonl)."""
+    """Turn trajectories into SFT rows with the true states: trajectories.jsonl -> sft.jsonl.
+
+    The model's observations and predictions are replaced by the game's states (clean.states), the
+    filters are applied, and a validation split is written beside the rows (sft.val.jsonl)."""
     from stages import clean as stage
 
     cfg = _load(config, set_, quiet, clean__data=data, clean__out=out, clean__unit=unit, clean__states=states,
@@ -294,7 +344,9 @@ def sft(
     resume: Annotated[bool | None, _resume("sft")] = None,
     dry_run: Annotated[bool, typer.Option(help="Write the first rows' tokens and masks, do not train.")] = False,
 ) -> None:
-    """World-model fine-tuning (DeepSpeed ZeRO): sft.jsonl + model -> checkpoint directory."""
+    """Fine-tune a model on sft.jsonl (world-model SFT) into a checkpoint directory.
+
+    Trains with DeepSpeed ZeRO, on the CPU too; --data also takes SPA's released wm_train.parquet."""
     from stages import sft as stage
 
     cfg = _load(config, set_, quiet, sft__data=data, model__name=model, sft__out=out, sft__epochs=epochs,
@@ -314,7 +366,10 @@ def ppo(
     report_to: ReportToOpt = None,
     resume: Annotated[bool | None, _resume("ppo")] = None,
 ) -> None:
-    """Multi-turn PPO with a critic and GAE: checkpoint + env -> checkpoint directory."""
+    """Train a model on the game with multi-turn PPO into a checkpoint directory.
+
+    Each step plays fresh puzzles with the live model, then updates it with a critic and GAE (or the
+    advantage ppo.advantage names); validation Pass@k every ppo.val_every steps."""
     from stages import ppo as stage
 
     cfg = _load(config, set_, quiet, model__name=model, env__name=env, ppo__out=out, ppo__steps=steps,
@@ -341,7 +396,10 @@ def eval_(
     out: Annotated[str | None, _out("eval", "report.json to write (and its .trajectories.jsonl).")] = None,
     resume: Annotated[bool | None, _resume("eval")] = None,
 ) -> None:
-    """Pass@k, world-model accuracy and state perplexity on fixed eval seeds -> report.json."""
+    """Measure a model on fixed puzzles: Pass@k, world-model accuracy, state perplexity -> report.json.
+
+    Every eval of the same settings plays the same puzzles (eval.seeds from eval.first_seed), each
+    eval.n times; the episodes go to report.trajectories.jsonl as they finish."""
     if ctx.invoked_subcommand is not None:
         return
     from stages import evaluate as stage
@@ -379,9 +437,10 @@ def eval_compare(
                                               "this PNG.", show_default="none")] = None,
     format_: FormatOpt = "table", as_json: JsonOpt = False,
 ) -> None:
-    """Print several reports side by side, like the paper's Table 2 (percent), each report's Pass@1
-    and Pass@k minus the first's with a 95% interval; or the same figures as JSON (fractions) or
-    Markdown."""
+    """Print several eval reports side by side, like the paper's Table 2.
+
+    Each report's Pass@1 and Pass@k in percent, and its difference from the first report's with a
+    95% interval; --json gives the same figures as fractions, --format markdown as a table."""
     from stages.evaluation import plots, tables
     from stages.evaluation import reports as eval_reports
 
@@ -410,8 +469,10 @@ def pipeline(
     json_: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON.",
                                         show_default="false")] = False,
 ) -> None:
-    """The paper's arms (generate, clean, sft, ppo, eval) in one run directory; reruns skip
-    completed stages and continue an interrupted one."""
+    """Run the paper's arms end to end (generate, clean, sft, ppo, eval) in one run directory.
+
+    A rerun skips the stages that completed and continues an interrupted one; --dry-run prints the
+    plan."""
     from stages import pipeline as stage
 
     cfg = _load(config, set_, quiet, pipeline__dir=run_dir, tracking__report_to=report_to)
@@ -442,8 +503,10 @@ def plan_(
                                               show_default="the stages of `spa pipeline`")] = None,
     format_: FormatOpt = "table", as_json: JsonOpt = False,
 ) -> None:
-    """Memory per GPU of every stage (weights, gradients, optimizer state, activations, buckets, vLLM)
-    before anything runs; exits 2 with the settings that would make it fit when a stage does not."""
+    """Memory per GPU of every stage, planned before anything runs.
+
+    Weights, gradients, optimizer state, activations, buckets and vLLM's share, per phase; exits 2
+    with the settings that would make a stage fit when one does not."""
     from stages import plan as stage_plan
     from stages.evaluation.tables import markdown_table, print_wide
 
@@ -470,8 +533,10 @@ def plot(
                                                "files; several are overlaid.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")] = Path("curves.png"),
 ) -> None:
-    """Training curves: SFT loss, validation loss and learning rate; PPO reward, success, validation
-    Pass@1 and Pass@k, KL, entropy, clip fraction and response length, against the step."""
+    """Draw the training curves of sft, ppo or pipeline runs into a PNG.
+
+    SFT loss, validation loss and learning rate; PPO reward, success, validation Pass@1 and Pass@k,
+    KL, entropy, clip fraction and response length, against the step."""
     from stages.evaluation import plots
 
     plots.check_plot(out, "--out")
@@ -486,9 +551,11 @@ def view(
                                            "a trajectories.jsonl.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="HTML page to write.")] = Path("view.html"),
 ) -> None:
-    """One self-contained HTML page to open in a browser (no server, nothing fetched): a run's table
-    and plots, and an episode browser with each turn's board, the model's observation and prediction
-    beside the true states (wrong cells marked), actions, rewards and penalties."""
+    """Write one HTML page to browse a run, an eval report or a trajectories file.
+
+    The page is self-contained (no server, nothing fetched): a run's table and plots, and an episode
+    browser with each turn's board, the model's observation and prediction beside the true states
+    (wrong cells marked), actions, rewards and penalties."""
     from stages.evaluation import viewer
 
     summary = viewer.write_page(source, out)
@@ -501,7 +568,7 @@ def view(
 @config_app.command("show")
 @user_errors
 def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
-    """Print the resolved configuration as YAML."""
+    """Print the resolved configuration as YAML (defaults, --config, then --set)."""
     from stages.common.config import load_config, to_yaml
 
     typer.echo(to_yaml(load_config(config, set_ or [])), nl=False)
@@ -557,8 +624,10 @@ def play(
     actions: Annotated[str | None, typer.Option(help="Play these actions ('Up || Left') and exit.",
                                                 show_default="none: play interactively")] = None,
 ) -> None:
-    """Play a game in the terminal: the state with coordinates, the reward, done, and why a move
-    changed nothing. The game and its options come from the config (qa: --set env.options.path=FILE)."""
+    """Play a game in the terminal.
+
+    Shows the state with coordinates, the reward, done, and why a move changed nothing. The game
+    and its options come from the config (qa: --set env.options.path=FILE)."""
     import envs as registry
     from stages.agent.env_manager import make_env
     from stages.common.distributed import require_one_process

@@ -17,22 +17,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.agent.backends import backend_device, make_backend
+from stages.agent.backends import backend_device, describe_player, make_backend
 from stages.common import distributed
 from stages.common.config import SPAConfig, to_dict
-from stages.evaluation.runner import check, evaluate
+from stages.common.console import Console
+from stages.evaluation.runner import check, evaluate, header
 
 
 def run(config: SPAConfig, backend: Any = None) -> dict:
     """Run the eval that ``config`` describes; write and return the report. `backend` (a
     notebook's or a test's) replaces the one `rollout.backend` would open."""
     opened = backend is None
+    # bad settings and paths are refused before a model loads
+    _, _, resuming = check(config, config.rollout.backend if opened else backend.name)
+    dist = distributed.start(backend_device(config.model, config.rollout) if opened else "cpu", to_dict(config))
+    player = describe_player(config.model, config.rollout, dist.world, backend)
+    Console(config.quiet or not dist.main).say(header(config, resuming, player))
     if opened:
-        check(config, config.rollout.backend)  # bad settings and paths are refused before a model loads
-        dist = distributed.start(backend_device(config.model, config.rollout), to_dict(config))
         backend = make_backend(config.model, config.rollout, prompt_mode=config.eval.prompt_mode)
-    else:
-        dist = distributed.start("cpu", to_dict(config))
     report = evaluate(config, backend, dist=dist)
     if opened:
         backend.close()  # a vLLM engine's memory goes back before the next pipeline stage

@@ -21,14 +21,13 @@ that is one command with `--groups 160`.
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
 from typing import Any
 
-from stages.agent.backends import backend_device, make_backend
+from stages.agent.backends import backend_device, describe_player, make_backend
 from stages.agent.env_manager import check_modes
 from stages.agent.episode import Episode, episode_id
-from stages.agent.proxy import model_label, play_shared
+from stages.agent.proxy import RolloutMeter, model_label, play_shared
 from stages.common import artifacts, distributed, runs
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
@@ -53,6 +52,7 @@ def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
                              to_dict(config))
     console = Console(config.quiet or not dist.main)
     opened = backend is None
+    console.say(header(config, resuming, describe_player(config.model, config.rollout, dist.world, backend)))
     if opened:
         backend = make_backend(config.model, config.rollout, prompt_mode=config.generate.prompt_mode)
     if dist.main:
@@ -68,26 +68,36 @@ def run(config: SPAConfig, backend: Any = None) -> dict[str, Any]:
     seeds = list(range(rollout.seed, rollout.seed + rollout.groups))
     wanted = [episode_id(config.env.name, seed, sample) for seed in seeds for sample in range(rollout.group_size)]
     todo = [key for key in wanted if key not in done_ids]
-    tally = _Tally()
     appender = artifacts.JsonlAppender(out) if dist.main else contextlib.nullcontext()
-    with appender, console.progress("generate", len(wanted), len(wanted) - len(todo), transient=True) as bar:
+    with appender, console.progress("generate", 0, unit="turns", transient=True) as bar:
         def keep(episode: Episode) -> None:
             if dist.main:
                 appender.append(episode.to_json())
-            tally.episode(episode)
-            bar.advance(1, tally.figures())
 
+        meter = RolloutMeter(bar)
         play_shared(config.env, rollout, backend, seeds, rollout.group_size, dist, **modes, model=config.model.name,
-                    skip_ids=frozenset(done_ids), on_episode=keep, progress=tally.tokens)
+                    skip_ids=frozenset(done_ids), on_episode=keep, meter=meter)
     if opened:
         backend.close()  # a vLLM engine's memory goes back before the next pipeline stage
-    (generated,) = distributed.all_reduce_sum([tally.generated], dist)
+    (generated,) = distributed.all_reduce_sum([meter.tokens], dist)
     summary = None
     if dist.main:
-        summary = summarize(out, set(wanted), new=len(todo), seconds=tally.seconds(), tokens=int(generated))
+        summary = summarize(out, set(wanted), new=len(todo), seconds=meter.seconds(), tokens=int(generated))
         runs.record(out, "generate", to_dict(config), settings(config), summary=summary)
         print_summary(summary, console)
     return distributed.broadcast(summary, dist)
+
+
+def header(config: SPAConfig, resuming: bool, player: str) -> str:
+    """The line that says what the run will do, before a model loads: ``generate: 256 episodes (32
+    groups x 8) of up to 5 turns on sokoban; model smollm2-135m, hf backend on cpu (float32);
+    -> runs/trajectories.jsonl``."""
+    rollout = config.rollout
+    episodes = rollout.groups * rollout.group_size
+    groups = f"{rollout.groups} group{'s' if rollout.groups > 1 else ''}"
+    return (f"generate: {episodes} episodes ({groups} x {rollout.group_size}) of up to "
+            f"{rollout.max_turns} turns on {config.env.name}; {player}; -> {config.generate.out}"
+            f"{runs.RESUMING if resuming else ''}")
 
 
 def settings(config: SPAConfig) -> dict[str, Any]:
@@ -139,25 +149,3 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     console.result(f"generate: {summary['episodes']} episodes ({summary['new_episodes']} new) in {summary['out']}; "
                 f"success {_percent(summary['success_rate'])}, "
                 f"format-valid turns {_percent(summary['format_ok_rate'])}, mean turns {turns}")
-
-
-class _Tally:
-    """Tokens generated and episodes finished so far, for the progress display."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.generated = self.played = self.successes = 0
-
-    def tokens(self, count: int) -> None:
-        self.generated += count
-
-    def episode(self, episode: Episode) -> None:
-        self.played += 1
-        self.successes += bool(episode.success)
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
-
-    def figures(self) -> str:
-        rate = f"{self.generated / max(self.seconds(), 1e-9):.1f} tok/s, " if self.generated else ""  # none: random
-        return f"{rate}success {self.successes}/{self.played}"

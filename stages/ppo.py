@@ -111,7 +111,7 @@ from torch import nn
 from envs import prompt_modes
 from stages.agent.backends import check_backend, make_backend
 from stages.agent.env_manager import check_modes
-from stages.agent.proxy import play
+from stages.agent.proxy import RolloutMeter, play
 from stages.agent.states import StateReward
 from stages.common import distributed, tracking
 from stages.common.config import PPOConfig, SPAConfig, to_dict
@@ -479,14 +479,15 @@ def rollout_config(config: SPAConfig, step: int):
     return dataclasses.replace(config.rollout, sample_seed=stable_seed(config.rollout.sample_seed, "ppo", step, bits=31))
 
 
-def play_share(config: SPAConfig, backend: Any, step: int, seed_counter: int, dist: Dist) -> list[Any]:
+def play_share(config: SPAConfig, backend: Any, step: int, seed_counter: int, dist: Dist,
+               meter: RolloutMeter | None = None) -> list[Any]:
     """This rank's episodes of ``step``: its contiguous block of the step's groups, numbered as in
-    the whole step (groups ``rank * G/N ..``)."""
+    the whole step (groups ``rank * G/N ..``); `meter` counts them as they are played."""
     seeds = train_seeds(config, seed_counter)
     block = distributed.split_evenly(len(seeds), dist.world, dist.rank)
     return play(config.env, rollout_config(config, step), backend, seeds[block.start:block.stop],
                 config.rollout.group_size, prompt_mode=config.ppo.prompt_mode, render_mode=config.ppo.render_mode,
-                model=config.model.name, state_reward=state_reward(config), first_group=block.start)
+                model=config.model.name, state_reward=state_reward(config), first_group=block.start, meter=meter)
 
 
 def episode_figures(episode: Any) -> dict[str, Any]:
@@ -688,7 +689,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
     tracker = tracking.start(config, run_dir.out, "ppo", step if saved is not None else None, console,
                              main=dist.main)
     with _closing(models, backend), run_dir.metrics_log(dist) as log, tracker, \
-            console.progress("ppo", ppo.steps, step) as bar:
+            console.progress("ppo", ppo.steps, step, unit="steps") as bar:
         if step == 0 and ppo.val_every and ppo.val_before_train:
             with _autocast(models.actor_engine):
                 row = {"step": 0, **validate(config, backend, models, 0)}
@@ -701,7 +702,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             models.actor.eval()
             with timer("rollout"), _autocast(models.actor_engine):
                 _reset_caches(backend)
-                episodes = play_share(config, backend, step, seed_counter, dist)
+                episodes = play_share(config, backend, step, seed_counter, dist, RolloutMeter(bar, f"step {step}"))
             seed_counter += config.rollout.groups
             # 2. keep the groups whose rewards differ the most (every rank sees every score)
             with timer("exchange"):
@@ -713,6 +714,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
             shares = rank_shares(samples, ppo.mini_batch, dist.world)
             # 3. log-probs and values before the update (each rank its part, then all of them)
+            bar.update(step - 1, f"step {step}: update on {len(samples)} episodes")
             score_samples(models, samples, shares, config, timer)
             # 4. advantages of the whole batch (with score_in_update: in the update, after its first
             # forward); 5. update (a vLLM engine on a GPU sleeps meanwhile, leaving its memory to
@@ -732,6 +734,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             last_step = step == ppo.steps or stopped
             if ppo.val_every and (ppo.val_after_train if last_step else step % ppo.val_every == 0):
                 models.actor.eval()
+                bar.update(step - 1, f"step {step}: validation")
                 with timer("validation"), _autocast(models.actor_engine):
                     row |= validate(config, backend, models, step)
                 row["seconds_validation"] = timer.seconds["seconds_validation"]
@@ -781,9 +784,11 @@ def _announce(config: SPAConfig, models: Models, step: int, resumed: bool, conso
     engine = f"ZeRO-{ppo.zero_stage}" if ppo.zero_stage else "plain torch"
     ranks = f" x {dist.world} ranks" if dist.world > 1 else ""
     where = f"resuming after step {step}" if resumed else "from the start"
+    precision = trainable.precision_label(config.model, dist.device)
     console.say(f"ppo: {config.model.name} on {config.env.name} ({ppo.prompt_mode} prompt, {ppo.render_mode} "
                 f"states), {ppo.steps} steps of {rollout.groups}x{rollout.group_size} episodes ({ppo.advantage}, "
-                f"loss mask {ppo.loss_mask}), {rollout.backend} rollouts, {engine} on {dist.device}{ranks}; {where}")
+                f"loss mask {ppo.loss_mask}), {rollout.backend} rollouts, {engine} on {dist.device}{ranks} "
+                f"({precision}); -> {ppo.out}; {where}")
 
 
 def _finite_or_none(row: dict[str, Any]) -> dict[str, Any]:

@@ -229,14 +229,15 @@ class _Trainer:
                  if resumed else "from the start")
         engine = f"ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "plain torch"
         offload = " (offload has no effect on a CPU run)" if cfg.offload and self.dist.device == "cpu" else ""
-        self.console.say(f"sft: {s.kept} rows ({s.truncated} truncated, {s.dropped_empty} dropped), {s.tokens} "
-                         f"tokens, {s.trained_tokens} trained; {len(self.val)} validation rows; {self.total_steps} "
-                         f"steps of {cfg.global_batch} rows on {self.dist.world}x {self.dist.device} "
-                         f"({engine}{offload}); {where}")
+        precision = trainable.precision_label(self.config.model, self.dist.device)
+        self.console.say(f"sft: {self.config.model.name} on {s.kept} rows ({s.truncated} truncated, {s.dropped_empty} "
+                         f"dropped), {s.tokens} tokens, {s.trained_tokens} trained; {len(self.val)} validation rows; "
+                         f"{self.total_steps} steps of {cfg.global_batch} rows on {self.dist.world}x "
+                         f"{self.dist.device} ({engine}, {precision}{offload}); -> {self.run_dir.out}; {where}")
 
     def _epochs(self, progress: Progress, metrics, tracker: tracking.Tracker) -> dict:
         plan: dict[int, list[list[int]]] = {}
-        with self.console.progress("sft", self.total_steps, progress.global_step) as bar:
+        with self.console.progress("sft", self.total_steps, progress.global_step, unit="steps") as bar:
             while not progress.done:
                 if progress.epoch not in plan:
                     plan[progress.epoch] = epoch_steps(len(self.train), progress.epoch, self.cfg.seed,

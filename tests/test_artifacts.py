@@ -99,3 +99,18 @@ def test_appender_keeps_a_whole_row_interrupted_during_fsync(tmp_path, monkeypat
         with pytest.raises(KeyboardInterrupt):
             appender.append({"id": 1})
     assert path.read_text() == '{"id": 1}\n'
+
+
+def test_jsonl_rows_keep_unicode_line_separators_and_a_torn_tail_goes(tmp_path):
+    # ensure_ascii=False writes U+2028, U+2029, U+0085 and form feeds unescaped: inside a string
+    # they are text (str.splitlines would cut the row at each of them)
+    rows = [{"id": 1, "text": "one\u2028two\u2029three\x85four\x0cfive"}, {"id": 2, "text": "\u2028"}]
+    path = tmp_path / "t.jsonl"
+    artifacts.write_jsonl(path, rows)
+    assert artifacts.read_jsonl(path) == (rows, 0)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write('{"id": 3, "te')  # a kill mid-row
+    assert artifacts.read_jsonl(path, skip_bad=True) == (rows, 1)
+    with artifacts.JsonlAppender(path) as appender:  # drops the torn row before appending
+        appender.append({"id": 3})
+    assert artifacts.read_jsonl(path) == ([*rows, {"id": 3}], 0)

@@ -201,6 +201,23 @@ def test_rows_finishing_at_different_steps(model, tokenizer):
         requests = [GenerationRequest(r.key, r.prompt_ids + o.token_ids + [77, 78]) for r, o in zip(requests, outputs)]
 
 
+def test_progress_hears_each_decode_steps_tokens_and_each_completion_as_it_finishes(model, tokenizer):
+    rng = random.Random(8)
+    requests = [GenerationRequest(f"d{i}", random_ids(rng, 10 + 3 * i)) for i in range(6)]
+    free = [fresh(model, tokenizer, r, GREEDY).token_ids for r in requests]
+    backend = HFBackend(model, tokenizer, drop_fraction=0.1)  # finished rows leave the batch
+    backend.eos_ids = frozenset(ids[2 + i] for i, ids in enumerate(free[:4]))  # rows end at various steps
+    reports = []
+    outputs = backend.generate(requests, GREEDY, progress=lambda *report: reports.append(report))
+    lengths = [len(out.token_ids) for out in outputs]
+    ended = [len(out.token_ids) for out in outputs if out.finish_reason == "eos"]
+    assert len(set(ended)) >= 3 and len(ended) < len(outputs)  # some end early, some at max_new_tokens
+    # step k samples a token for every row still going and reports the rows it ended; the rows cut
+    # at max_new_tokens come last
+    by_step = [(sum(length > step for length in lengths), ended.count(step + 1)) for step in range(max(lengths))]
+    assert reports == [*by_step, (0, len(outputs) - len(ended))]
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
 def test_logprobs_are_those_of_the_sampling_distribution(model, tokenizer, temperature, top_p):
     ids = random_ids(random.Random(9), 12)

@@ -20,11 +20,46 @@ def invoke(*args, input=None):
     return runner.invoke(app, list(args), input=input)
 
 
-def test_help_lists_every_stage_and_helper():
-    result = invoke("--help")
-    assert result.exit_code == 0
-    for command in ("generate", "clean", "sft", "ppo", "eval", "config", "envs", "play", "plan"):
-        assert command in result.output
+def help_at(width: int, *path: str) -> list[str]:
+    """The lines of `spa PATH --help` on a terminal `width` columns wide."""
+    result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": str(width)})
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()
+
+
+def paragraphs(text: str) -> list[str]:
+    """`text`'s paragraphs as a reader sees them: each on one line, spaces collapsed."""
+    return [" ".join(block.split()) for block in re.split(r"\n\s*\n", text) if block.strip()]
+
+
+def test_help_lists_every_command_in_recipe_order_with_a_one_line_summary():
+    lines = help_at(200)
+    listed = [line.split()[1] for line in lines if re.match(r"│ [a-z]+ {2,}\S", line)]
+    assert listed == ["generate", "clean", "sft", "ppo", "eval", "pipeline", "plot", "view", "plan", "envs",
+                      "play", "config"]
+    for path, command in commands():
+        summary = paragraphs(command.help)[0]
+        assert len(summary) <= 100, (path, summary)  # a summary, not a description
+        parent = help_at(200, *path[:-1])
+        assert any(re.search(rf"│ {path[-1]} +{re.escape(summary)} +│$", line) for line in parent), (path, parent)
+
+
+def test_help_text_wraps_where_the_terminal_does_not_where_the_source_lines_end():
+    import typer
+
+    root = typer.main.get_command(app)
+    for path, command in [((), root), *commands()]:
+        texts = [command.help, *(getattr(param, "help", None) for param in command.params)]
+        wanted = [paragraph for text in texts if text for paragraph in paragraphs(text)]
+        wide = help_at(400, *path)
+        for paragraph in wanted:  # each paragraph in one line when the terminal has room
+            assert any(paragraph in line for line in wide), (path, paragraph)
+        narrow = help_at(60, *path)
+        assert max(map(len, narrow)) <= 60, (path, narrow)
+        before_panels = " ".join(line.strip() for line in narrow[:next(
+            i for i, line in enumerate(narrow) if line.startswith("╭"))])
+        for paragraph in paragraphs(command.help or ""):  # wrapped, every word kept
+            assert paragraph in before_panels, (path, paragraph)
 
 
 def test_config_show_prints_the_resolved_yaml():
@@ -168,7 +203,9 @@ def test_version():
 
 def test_bash_completion_script_completes_commands_and_flags(tmp_path):
     spa = Path(sys.executable).parent / "spa"
-    script = subprocess.run([spa, "--show-completion", "bash"], capture_output=True, text=True, check=True).stdout
+    proc = subprocess.run([spa, "--show-completion", "bash"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    script = proc.stdout
     assert "complete -o default -F _spa_completion spa" in script
     (tmp_path / "spa.bash").write_text(script)
 
@@ -178,7 +215,7 @@ def test_bash_completion_script_completes_commands_and_flags(tmp_path):
         env = {**os.environ, "PATH": f"{spa.parent}:{os.environ['PATH']}"}
         return subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env, check=True).stdout.split()
 
-    assert complete("spa", "pl") == ["plan", "plot", "play"]
+    assert sorted(complete("spa", "pl")) == ["plan", "play", "plot"]
     assert complete("spa", "generate", "--group") == ["--groups", "--group-size"]
     assert complete("spa", "eval", "comp") == ["compare"]
 

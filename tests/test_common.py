@@ -35,16 +35,19 @@ def clock(monkeypatch):
 def test_without_a_terminal_progress_is_plain_lines_at_most_every_few_seconds(clock, monkeypatch):
     stream = io.StringIO()  # not a terminal
     monkeypatch.setattr(console_module.sys, "stderr", stream)
-    with Console().progress("sft", total=4, done=1) as bar:
+    with Console().progress("sft", total=4, done=1, unit="steps") as bar:
         clock.now += 30
-        bar.update(2, "loss 1.500")  # 30 s for one step: 60 s left for two
+        bar.update(2, "loss 1.500")  # the first update at once: 30 s for one step, 60 s left for two
         clock.now += 1
         bar.update(3, "loss 1.200")  # within LOG_EVERY_S of the last line: held back
         clock.now += 20
-        bar.update(4, "loss 1.000")  # the last step is always written
+        bar.update(4, "loss 1.000")  # more than LOG_EVERY_S later
+        clock.now += 3
+        bar.update(4, "loss 0.900")  # held back, then written as the bar closes
     assert stream.getvalue().splitlines() == [
-        "sft: 2/4 (50%) loss 1.500; 30s elapsed, ETA 1m00s",
-        "sft: 4/4 (100%) loss 1.000; 51s elapsed, ETA 0s",
+        "sft: 2/4 steps (50%) loss 1.500; 30s elapsed, ETA 1m00s",
+        "sft: 4/4 steps (100%) loss 1.000; 51s elapsed, ETA 0s",
+        "sft: 4/4 steps (100%) loss 0.900; 54s elapsed, ETA 0s",
     ]
 
 
@@ -57,6 +60,17 @@ def test_a_held_back_line_is_written_when_the_progress_closes(clock, monkeypatch
         bar.advance(1, "b")  # stopped here (an error, an interrupt): the log still says where
     assert stream.getvalue().splitlines() == ["eval: 1/10 (10%) a; 0s elapsed, ETA 0s",
                                               "eval: 2/10 (20%) b; 2s elapsed, ETA 8s"]
+
+
+def test_a_total_learned_once_the_work_starts_is_shown_from_then_on(clock, monkeypatch):
+    stream = io.StringIO()
+    monkeypatch.setattr(console_module.sys, "stderr", stream)
+    with Console().progress("generate", total=0, unit="turns") as bar:
+        bar.update(0, "episodes: 0", total=40)
+        clock.now += 12
+        bar.update(10, "episodes: 0")
+    assert stream.getvalue().splitlines() == ["generate: 0/40 turns (0%) episodes: 0; 0s elapsed",
+                                              "generate: 10/40 turns (25%) episodes: 0; 12s elapsed, ETA 36s"]
 
 
 def test_quiet_shows_no_progress_and_no_status_but_results(capsys, monkeypatch):

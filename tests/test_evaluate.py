@@ -2,8 +2,10 @@
 report; reports carry their settings; compare, plot, state perplexity and bad input."""
 
 import copy
+import io
 import json
 import math
+import re
 from fractions import Fraction
 from pathlib import Path
 
@@ -39,7 +41,7 @@ class ScriptedBackend:
         self.solvers, self.max_actions = solvers, max_actions
         self.calls = 0
 
-    def generate(self, requests, params):
+    def generate(self, requests, params, progress=None):
         self.calls += 1
         completions = []
         for request in requests:
@@ -415,6 +417,31 @@ def test_eval_with_state_ppl_reports_and_shows_it(tmp_path, tiny_model_dir):
     console = Console(width=200, record=True)
     tables.print_report(report, console)
     assert "state perplexity" in console.export_text()
+
+
+def test_eval_says_what_it_will_do_and_counts_turns_as_they_come_back(tmp_path, tiny_model_dir, monkeypatch,
+                                                                        capsys):
+    from stages.common import console
+
+    log = io.StringIO()  # a log file, not a terminal: plain progress lines
+    monkeypatch.setattr(console.sys, "stderr", log)
+    monkeypatch.setattr(console, "LOG_EVERY_S", 0.0)  # a line for every update
+    config = eval_config(tmp_path, f"model.name={tiny_model_dir}", "model.device=cpu", "eval.seeds=2", "eval.n=2",
+                         "eval.pass_k=2", "rollout.max_new_tokens=3", "rollout.max_turns=2", "quiet=false",
+                         "eval.state_ppl=true")
+    report = evaluate.run(config)
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"eval: 2 puzzles x 2 samples = 4 episodes of up to 2 turns on sokoban (base prompt, coords states), then "
+        f"the state perplexity; model {tiny_model_dir}, hf backend on cpu (float32); -> {config.eval.out}")
+    lines = [line for line in log.getvalue().splitlines() if line.startswith("eval")]  # not the model load's
+    turns = [re.match(r"eval: (\d+)/8 turns \(\d+%\) episodes (\d+)/4", line) for line in lines]
+    counted = [(int(m[1]), int(m[2])) for m in turns if m]
+    # the 4 episodes play together: 4 turns come back with each call, before any episode ends
+    assert [done for done, finished in counted if finished == 0] == [0] * 4 + [4] * 4 + [8]
+    assert counted[-1] == (8, 4)
+    assert lines[len(counted):] == [f"eval state perplexity: {n}/2 states ({50 * n}%); " + line.split("; ")[1]
+                                    for n, line in zip((1, 2), lines[len(counted):])]
+    assert report["metrics"]["state_perplexity"]["raw"]["states"] == 2
 
 
 # ---- through the command line ----------------------------------------------------------------

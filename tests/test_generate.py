@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import random
+import re
 
 import pytest
 
@@ -26,7 +28,7 @@ class RandomActions:
         self.rng = random.Random(seed)
         self.keys: list[str] = []
 
-    def generate(self, requests, params):
+    def generate(self, requests, params, progress=None):
         self.keys += [r.key for r in requests]
         out = []
         for request in requests:
@@ -260,3 +262,34 @@ def test_hf_backend_token_bookkeeping(tmp_path, tiny_model_dir, tokenizer):
         assert sum(episode.response_mask) == sum(b - a for a, b in spans)
         if episode.logprobs is not None:
             assert all(lp <= 0 for lp in episode.logprobs)
+
+
+def test_generate_says_what_it_will_do_then_counts_turns_and_tokens_before_an_episode_ends(
+        tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from stages.common import console
+
+    log = io.StringIO()  # a log file, not a terminal: plain progress lines
+    monkeypatch.setattr(console.sys, "stderr", log)
+    monkeypatch.setattr(console, "LOG_EVERY_S", 0.0)  # a line for every update
+    config = make_config(tmp_path, groups=1, group_size=2, backend="hf", max_new_tokens=4, max_turns=3)
+    config.quiet = False
+    config.model.name, config.model.device = str(tiny_model_dir), "cpu"
+    summary = generate.run(config)
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"generate: 2 episodes (1 group x 2) of up to 3 turns on sokoban; model {tiny_model_dir}, hf backend on "
+        f"cpu (float32); -> {config.generate.out}")
+    shown = [re.fullmatch(r"generate: (\d+)/6 turns \(\d+%\) episodes (\d+)/2 \(0 solved\)"
+                          r"(?:, (\d+) tok \(\d+/s\))?; \d+s elapsed(, ETA \d+s)?", line)
+             for line in log.getvalue().splitlines() if line.startswith("generate")]  # not the load's
+    assert all(shown), log.getvalue()
+    lines = [(int(turns), int(episodes), int(tokens or 0), bool(eta)) for turns, episodes, tokens, eta in
+             (match.groups() for match in shown)]
+    assert lines[0] == (0, 0, 0, False)  # at once, before the first token
+    # a tiny random model never ends an episode early: both play their 3 turns, counted as they
+    # come back, with the tokens of each decode step, before the first episode ends
+    before_an_end = [line for line in lines if line[1] == 0]
+    assert {turns for turns, *_ in before_an_end} == {0, 2, 4, 6}
+    first_turn_tokens = [tokens for turns, _, tokens, _ in before_an_end if turns == 0]
+    assert first_turn_tokens == sorted(set(first_turn_tokens)) and len(first_turn_tokens) >= 3
+    assert all(eta for turns, *_, eta in lines if turns > 0)
+    assert lines[-1] == (6, 2, summary["tokens"], True)

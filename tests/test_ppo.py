@@ -1,6 +1,7 @@
 """`spa ppo` end to end on a tiny random model: artifacts, resume, bad input; and a slow learning
 test with the bundled model on a one-turn bandit."""
 
+import io
 import json
 import math
 import random
@@ -156,6 +157,26 @@ def test_val_after_train_off_skips_only_the_last_steps_validation(tiny_model_dir
     episodes = (out / "val" / "step-1.trajectories.jsonl").read_text().splitlines()
     assert report["settings"]["model"] == f"{out} (step 1)"  # the live actor, not the starting model
     assert {json.loads(line)["model"] for line in episodes} == {f"{out} (step 1)"}
+
+
+def test_a_step_shows_its_rollout_turns_then_its_update(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from stages.common import console
+
+    log = io.StringIO()  # a log file, not a terminal: plain progress lines
+    monkeypatch.setattr(console.sys, "stderr", log)
+    monkeypatch.setattr(console, "LOG_EVERY_S", 0.0)  # a line for every update
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.steps=1", "ppo.zero_stage=0", "quiet=false"))
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith(f"ppo: {tiny_model_dir} on sokoban (") and header.endswith(
+        f"hf rollouts, plain torch on cpu (fp32); -> {out}; from the start")
+    lines = [line.split("; ")[0] for line in log.getvalue().splitlines() if line.startswith("ppo")]
+    rollout = [line for line in lines if "step 1: rollout" in line]
+    # 4 episodes of 2 turns: the turns count as the backend returns them, within the step
+    assert [line.split(" rollout ")[1].split(" turns")[0] for line in rollout][-1] == "8/8"
+    assert any(" rollout 4/8 turns, episodes 0/4" in line for line in rollout)
+    assert lines.index(rollout[-1]) < lines.index("ppo: 0/1 steps (0%) step 1: update on 4 episodes")
+    assert lines[-1].startswith("ppo: 1/1 steps (100%) reward ")
 
 
 def ppo_model_dir(out):

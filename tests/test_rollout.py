@@ -14,7 +14,7 @@ from envs.registry import EnvSpec
 from stages.agent import prompts
 from stages.agent.backends.base import Completion
 from stages.agent.episode import Episode
-from stages.agent.proxy import play
+from stages.agent.proxy import RolloutMeter, play
 from stages.agent.states import StateReward
 from stages.common.config import SPAConfig, load_config
 from stages.common.errors import UserError
@@ -105,7 +105,7 @@ class ScriptedBackend:
         self.batches: list[int] = []
         self.params = []
 
-    def generate(self, requests, params):
+    def generate(self, requests, params, progress=None):
         self.batches.append(len(requests))
         self.params.append(params)
         out = []
@@ -433,6 +433,21 @@ def test_history_window_rebuilds_the_prompt(corridor, tokenizer):
     assert decoded.count("<|im_start|>user") == 1 and "Turn 2:" in decoded and "Turn 1:" not in decoded
 
 
+def test_the_meter_counts_each_turn_and_gives_up_the_turns_an_episode_did_not_play():
+    from stages.agent.backends.random import RandomBackend
+    from stages.common.console import Progress
+
+    config = SPAConfig()  # sokoban, 5 turns: 3 random actions a turn use its budget of 10 in 4
+    bar = Progress("generate", 0, 0)
+    meter = RolloutMeter(bar)
+    episodes = play_with(config, RandomBackend("world_model"), [0, 1], 3, meter=meter)
+    played = sum(len(episode.turns) for episode in episodes)
+    assert meter.total == 6 * 5 and played < meter.total
+    assert meter.done == bar.done == bar.total == meter.total  # the unplayed turns given up
+    assert (meter.episodes, meter.solved, meter.tokens) == (6, sum(e.success for e in episodes), 0)
+    assert meter.figures() == f"episodes 6/6 ({meter.solved} solved)"
+
+
 # ---- real games -----------------------------------------------------------------------------------
 
 
@@ -441,7 +456,7 @@ class SudokuSolver:
 
     name = "solver"
 
-    def generate(self, requests, params):
+    def generate(self, requests, params, progress=None):
         out = []
         for request in requests:
             env = request.env
@@ -474,7 +489,7 @@ class RandomText:
     def __init__(self, seed=0):
         self.rng = random.Random(seed)
 
-    def generate(self, requests, params):
+    def generate(self, requests, params, progress=None):
         out = []
         for request in requests:
             env = request.env

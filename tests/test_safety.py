@@ -240,7 +240,7 @@ def test_a_model_answer_that_is_code_is_an_invalid_action_and_never_runs(tmp_pat
     class Scripted:
         name = "scripted"
 
-        def generate(self, requests, params):
+        def generate(self, requests, params, progress=None):
             return [Completion([], f"<observation>x</observation> t <prediction>x</prediction> </think> "
                                    f"<answer>{' || '.join(answers)}</answer>") for _ in requests]
 

@@ -28,10 +28,14 @@ Choices and simplifications compared with SPA/RAGEN:
 * Within a turn, action texts the game does not understand are dropped (not executed, no budget
   used) and cost the turn the format penalty; so does a malformed response or a turn with no valid
   action. One penalty per turn at most.
+
+How far a rollout is shows on a `RolloutMeter`, which counts turns as their completions come back
+from the backend (`GenerationBackend.generate`'s `progress`), tokens, and finished episodes.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -44,6 +48,7 @@ from stages.agent.parsing import parse_response
 from stages.agent.states import StateReward
 from stages.common import distributed
 from stages.common.config import EnvConfig, RolloutConfig
+from stages.common.console import Progress
 from stages.common.distributed import Dist
 from stages.common.seeds import stable_seed
 
@@ -56,7 +61,7 @@ class AgentProxy:
 
     def __init__(self, env: EnvConfig, rollout: RolloutConfig, backend: Any, prompt_mode: str, render_mode: str,
                  state_reward: StateReward | None = None, on_episode: Callable[[Episode], None] | None = None,
-                 progress: Callable[[int], None] | None = None):
+                 meter: RolloutMeter | None = None):
         self.env = env
         self.rollout = rollout
         self.backend = backend
@@ -65,7 +70,7 @@ class AgentProxy:
         self.state_reward = state_reward
         self.tokenizer = getattr(backend, "tokenizer", None)
         self.on_episode = on_episode
-        self.progress = progress
+        self.meter = meter
 
     def play_wave(self, episodes: list[Episode]) -> None:
         env_manager = EnvStateManager(self.env, self.rollout, self.render_mode)
@@ -86,12 +91,11 @@ class AgentProxy:
         prompt_ids = [context.prompt_ids(episode) for episode in live]
         requests = [GenerationRequest(episode.id, ids, env_manager.game(episode).env)
                     for episode, ids in zip(live, prompt_ids)]
-        completions = self.backend.generate(requests, self._sampling_params(call))
+        progress = self.meter.generated if self.meter is not None else None
+        completions = self.backend.generate(requests, self._sampling_params(call), progress=progress)
         if len(completions) != len(requests):
             raise RuntimeError(f"backend {self.backend.name} returned {len(completions)} completions "
                                f"for {len(requests)} requests")
-        if self.progress is not None:
-            self.progress(sum(len(c.token_ids) for c in completions))
         for episode, ids, completion in zip(live, prompt_ids, completions):
             self._advance(episode, ids, completion, env_manager, context)
 
@@ -104,6 +108,8 @@ class AgentProxy:
         for episode in finished:
             env_manager.close(episode)
             context.finish(episode)
+            if self.meter is not None:
+                self.meter.finished(episode)
             if self.on_episode is not None:
                 self.on_episode(episode)
         return [episode for episode in live if not episode.done]
@@ -155,8 +161,7 @@ def model_label(model: str, backend: str) -> str:
 def play(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: Iterable[int], group_size: int, *,
          prompt_mode: str, render_mode: str, model: str = "", state_reward: StateReward | None = None,
          skip_ids: frozenset[str] | set[str] = frozenset(), first_group: int = 0,
-         on_episode: Callable[[Episode], None] | None = None,
-         progress: Callable[[int], None] | None = None) -> list[Episode]:
+         on_episode: Callable[[Episode], None] | None = None, meter: RolloutMeter | None = None) -> list[Episode]:
     """Play `group_size` episodes of the game `env` on each seed with `backend`, showing it the
     `prompt_mode` prompt and the `render_mode` states; return the finished episodes in seed,
     sample order.
@@ -164,14 +169,16 @@ def play(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: Iterable[i
     Episode `group` is ``first_group`` + the seed's index in `seeds` (a rank playing its share of
     a larger set passes where its share starts), `sample` its index in the group; `model` names
     the player in the records. Ids in `skip_ids` are not played (resume). `on_episode(episode)` is
-    called as each episode finishes; `progress(tokens)` after each backend call with the number of
-    tokens it generated. `state_reward` (the VAGEN arm's) adds its reward to each turn. Token ids
+    called as each episode finishes; `meter` counts the turns, tokens and episodes as they are
+    played. `state_reward` (the VAGEN arm's) adds its reward to each turn. Token ids
     are kept when the backend has a tokenizer (the random backend gives text only). Of `rollout`,
     the loop reads the turn limits and sampling settings; which seeds to play is the caller's.
     """
     episodes = planned_episodes(env, backend, seeds, group_size, prompt_mode, render_mode, model, skip_ids,
                                 first_group)
-    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, state_reward, on_episode, progress)
+    if meter is not None:
+        meter.plan(len(episodes), rollout.max_turns)
+    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, state_reward, on_episode, meter)
     for wave in waves(episodes, rollout.batch_size):
         proxy.play_wave(wave)
     return episodes
@@ -180,12 +187,13 @@ def play(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: Iterable[i
 def play_shared(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: list[int], group_size: int,
                 dist: Dist, *, prompt_mode: str, render_mode: str, model: str = "",
                 skip_ids: frozenset[str] | set[str] = frozenset(), on_episode: Callable[[Episode], None] | None = None,
-                progress: Callable[[int], None] | None = None) -> list[Episode]:
+                meter: RolloutMeter | None = None) -> list[Episode]:
     """`play` split over the ranks of a launched run (`spa generate` and `spa eval`): each rank
     plays a contiguous block of the groups (`distributed.split_evenly`; a group is never split) in
     waves on its own backend. After each round of waves (one per rank, a rank whose block is done
     joins with none) the round's finished episodes are gathered: `on_episode` runs on every rank
     for every one of them, rank by rank, and every rank returns all episodes in seed, sample order.
+    Each rank's `meter` counts the episodes that rank plays.
 
     The episodes are those one process plays with the same seeds when `rollout.batch_size` cuts
     each rank's block into the same waves as the whole list (it divides the episodes of every
@@ -194,12 +202,15 @@ def play_shared(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: lis
     modes = {"prompt_mode": prompt_mode, "render_mode": render_mode}
     if dist.world == 1:
         return play(env, rollout, backend, seeds, group_size, **modes, model=model, skip_ids=skip_ids,
-                    on_episode=on_episode, progress=progress)
+                    on_episode=on_episode, meter=meter)
     block = distributed.split_evenly(len(seeds), dist.world, dist.rank)
     everything = planned_episodes(env, backend, seeds, group_size, prompt_mode, render_mode, model, skip_ids)
-    mine = waves([e for e in everything if e.group in block], rollout.batch_size)
+    own = [e for e in everything if e.group in block]
+    if meter is not None:
+        meter.plan(len(own), rollout.max_turns)
+    mine = waves(own, rollout.batch_size)
     finished: list[Episode] = []
-    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, None, finished.append, progress)
+    proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, None, finished.append, meter)
     played: list[Episode] = []
     for index in range(distributed.all_reduce_max(len(mine), dist)):
         if index < len(mine):
@@ -229,3 +240,58 @@ def planned_episodes(env: EnvConfig, backend: Any, seeds: Iterable[int], group_s
 def waves(episodes: list[Episode], batch_size: int) -> list[list[Episode]]:
     """The episodes in waves of `batch_size`, each played together (see the module docstring)."""
     return [episodes[start:start + batch_size] for start in range(0, len(episodes), batch_size)]
+
+
+class RolloutMeter:
+    """How far a rollout is, for a progress display (`stages.common.console.Progress`).
+
+    It counts turns: each episode has up to `rollout.max_turns`, and one that ends early gives up
+    the turns it did not play, so `done` reaches `total` as the last episode ends. A turn counts
+    when its completion is back; the hf backend reports each completion of a batch as it finishes,
+    with the tokens sampled so far, so the count moves within a backend call (one turn of a whole
+    wave, long on a CPU), not only between calls. `figures()` adds the episodes finished and
+    solved and the tokens generated.
+
+    Given a `bar`, the meter shows itself on it: as the bar's count (generate, eval), or, with
+    `within` ("step 3" of ppo), in the figures of a bar that counts something else.
+    """
+
+    def __init__(self, bar: Progress | None = None, within: str = ""):
+        self.bar, self.within = bar, within
+        self.total = self.done = self.tokens = self.episodes = self.solved = 0
+        self.max_turns = 0
+        self.started = time.perf_counter()
+
+    def plan(self, episodes: int, max_turns: int) -> None:
+        """Expect `episodes` more episodes of up to `max_turns` turns each."""
+        self.max_turns = max_turns
+        self.total += episodes * max_turns
+        self._show()
+
+    def generated(self, tokens: int, completions: int) -> None:
+        """A backend's report: `tokens` more sampled, `completions` more finished (a turn each)."""
+        self.tokens += tokens
+        self.done += completions
+        self._show()
+
+    def finished(self, episode: Episode) -> None:
+        self.episodes += 1
+        self.solved += bool(episode.success)
+        self.done += self.max_turns - len(episode.turns)
+        self._show()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def figures(self) -> str:
+        planned = self.total // self.max_turns if self.max_turns else 0
+        tokens = f", {self.tokens} tok ({self.tokens / max(self.seconds(), 1e-9):.0f}/s)" if self.tokens else ""
+        return f"episodes {self.episodes}/{planned} ({self.solved} solved){tokens}"  # no tokens: the random backend
+
+    def _show(self) -> None:
+        if self.bar is None:
+            return
+        if self.within:
+            self.bar.update(self.bar.done, f"{self.within}: rollout {self.done}/{self.total} turns, {self.figures()}")
+        else:
+            self.bar.update(self.done, self.figures(), total=self.total)

@@ -4,6 +4,11 @@ Writes are atomic: a temp file in the same directory, then `os.replace`, so a st
 half-way leaves either the old file or the new one, never half of one. The one exception is the
 append-only JSONL of `spa generate`, where each finished episode is appended and flushed so a kill
 loses only the episodes in flight; a torn last line is detected and dropped on resume.
+
+JSONL goes through the standard `json` module here, not a JSONL package: what the stages rely on
+(atomic rewrites, appends that never leave half a row, a torn last line dropped, errors that name
+the file and line, required keys, a U+2028 inside a string read as text, not as a line end) is
+this module's, and the json module does the rest.
 """
 
 from __future__ import annotations

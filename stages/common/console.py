@@ -2,13 +2,15 @@
 
 * `Console.say(message)`: a status line on stdout, as written (no markup); nothing when quiet.
 * `Console.result(message)`: what a stage produced (a summary), on stdout even when quiet.
-* `Console.progress(label, total, done)`: a context manager yielding a `Progress`, which the stage
-  calls with the count done so far and a short figure text (``loss 1.234 lr 1.0e-04 212 tok/s``).
-  On a terminal it is a rich bar on stderr. Without one (a run under ``nohup``, a CI log, a pipe)
-  it writes one plain line per update on stderr instead, at most one every `LOG_EVERY_S` seconds
-  plus the last, with the elapsed time and an ETA from the rate since the bar opened::
+* `Console.progress(label, total, done, unit=...)`: a context manager yielding a `Progress`, which
+  the stage calls with the count done so far and a short figure text (``loss 1.234 lr 1.0e-04``);
+  a count whose total is known only once the work starts (a rank's share of a rollout) passes
+  the total with an update. On a terminal it is a rich bar on stderr. Without one (a run under
+  ``nohup``, a CI log, a pipe) it writes one plain line per update on stderr instead: the first
+  update at once, then at most one every `LOG_EVERY_S` seconds, and the last as the display
+  closes, with the elapsed time and an ETA from the rate since the bar opened::
 
-      sft: 12/40 (30%) loss 1.234 lr 1.0e-04 212 tok/s; 1m05s elapsed, ETA 2m32s
+      sft: 12/40 steps (30%) loss 1.234 lr 1.0e-04; 1m05s elapsed, ETA 2m32s
 
   so a background run's log shows how far it is. ``quiet`` silences both.
 
@@ -40,15 +42,17 @@ class Console:
         print(message, flush=True)
 
     @contextmanager
-    def progress(self, label: str, total: int, done: int = 0, transient: bool = False) -> Iterator[Progress]:
-        """A progress display of `total` units of which `done` are already done (a resumed run)."""
+    def progress(self, label: str, total: int, done: int = 0, transient: bool = False,
+                 unit: str = "") -> Iterator[Progress]:
+        """A progress display of `total` units (named `unit`: "steps", "turns") of which `done` are
+        already done (a resumed run)."""
         stream = sys.stderr
         if self.quiet:
-            bar: Progress = Progress(label, total, done)
+            bar: Progress = Progress(label, total, done, unit)
         elif stream.isatty():
-            bar = _RichProgress(label, total, done, transient)
+            bar = _RichProgress(label, total, done, unit, transient)
         else:
-            bar = _LineProgress(label, total, done, stream)
+            bar = _LineProgress(label, total, done, unit, stream)
         try:
             yield bar
         finally:
@@ -58,13 +62,16 @@ class Console:
 class Progress:
     """The silent progress (quiet); the others draw what `update` is told."""
 
-    def __init__(self, label: str, total: int, done: int):
-        self.label, self.total, self.start_done = label, total, done
+    def __init__(self, label: str, total: int, done: int, unit: str = ""):
+        self.label, self.total, self.start_done, self.unit = label, total, done, unit
         self.done = done
         self.started = time.monotonic()
 
-    def update(self, done: int, figures: str = "") -> None:
+    def update(self, done: int, figures: str = "", total: int | None = None) -> None:
+        """`done` units so far, `figures` to show beside them, and the `total` if it changed."""
         self.done = done
+        if total is not None:
+            self.total = total
 
     def advance(self, count: int = 1, figures: str = "") -> None:
         self.update(self.done + count, figures)
@@ -81,18 +88,18 @@ class Progress:
 
 
 class _LineProgress(Progress):
-    def __init__(self, label: str, total: int, done: int, stream: TextIO):
-        super().__init__(label, total, done)
+    def __init__(self, label: str, total: int, done: int, unit: str, stream: TextIO):
+        super().__init__(label, total, done, unit)
         self.stream = stream
         self.last_line = float("-inf")
         self.pending = False
 
-    def update(self, done: int, figures: str = "") -> None:
-        super().update(done, figures)
+    def update(self, done: int, figures: str = "", total: int | None = None) -> None:
+        super().update(done, figures, total)
         self.figures = figures
         self.pending = True
         now = time.monotonic()
-        if done >= self.total or now - self.last_line >= LOG_EVERY_S:
+        if now - self.last_line >= LOG_EVERY_S:
             self._write(now)
 
     def close(self) -> None:
@@ -104,27 +111,29 @@ class _LineProgress(Progress):
         figures = f" {self.figures}" if self.figures else ""
         eta = self.eta_seconds()
         timing = f"{duration(now - self.started)} elapsed" + (f", ETA {duration(eta)}" if eta is not None else "")
-        self.stream.write(f"{self.label}: {self.done}/{self.total}{share}{figures}; {timing}\n")
+        unit = f" {self.unit}" if self.unit else ""
+        self.stream.write(f"{self.label}: {self.done}/{self.total}{unit}{share}{figures}; {timing}\n")
         self.stream.flush()
         self.last_line, self.pending = now, False
 
 
 class _RichProgress(Progress):
-    def __init__(self, label: str, total: int, done: int, transient: bool):
-        super().__init__(label, total, done)
+    def __init__(self, label: str, total: int, done: int, unit: str, transient: bool):
+        super().__init__(label, total, done, unit)
         from rich.console import Console as RichConsole
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as RichBar
 
-        self.bar = RichBar(TextColumn(label, markup=False), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("{task.fields[figures]}", markup=False), TimeRemainingColumn(),
+        self.bar = RichBar(TextColumn(label, markup=False), BarColumn(bar_width=20), MofNCompleteColumn(),
+                           TextColumn(unit, markup=False), TextColumn("{task.fields[figures]}", markup=False),
+                           TimeRemainingColumn(),
                            console=RichConsole(stderr=True), transient=transient)
         self.bar.start()
         self.task = self.bar.add_task(label, total=total, completed=done, figures="")
 
-    def update(self, done: int, figures: str = "") -> None:
-        super().update(done, figures)
-        self.bar.update(self.task, completed=done, figures=figures)
+    def update(self, done: int, figures: str = "", total: int | None = None) -> None:
+        super().update(done, figures, total)
+        self.bar.update(self.task, completed=done, figures=figures, total=self.total)
 
     def close(self) -> None:
         self.bar.stop()

@@ -36,6 +36,10 @@ def first_difference(saved: Any, now: Any, path: str = "") -> str | None:
     return f"{path or 'settings'}: {saved!r} -> {now!r}"
 
 
+#: How a stage's header line says that it continues an earlier run at its output.
+RESUMING = " (resuming: what is there is kept)"
+
+
 def start(out: str | Path, settings: dict[str, Any], resume: bool, what: str,
           holds_run: bool | None = None) -> bool:
     """Check `out` for a run of `settings`; True when an earlier run is to be continued.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import envs
@@ -21,7 +21,8 @@ STATE_PPL_RANDOM_ACTIONS = 2
 
 def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence[int], *,
                      prompt_mode: str, random_actions: int = STATE_PPL_RANDOM_ACTIONS,
-                     max_actions_per_traj: int | None = None) -> dict[str, Any]:
+                     max_actions_per_traj: int | None = None,
+                     progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The model's perplexity on state text, with the raw grid and with grid plus coordinates
     (the paper's Table 1: "PPL, raw state" and "+ State Estimation").
 
@@ -45,6 +46,7 @@ def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence
     For each rendering, ``ppl = exp(total NLL of the target tokens / their number)`` over all
     seeds (token-weighted, so it is the perplexity of the states taken as one text), along with
     ``nll`` (mean NLL per token, nats), ``tokens`` and ``states``.
+    `progress(states)`, if given, hears how many states are measured so far.
     """
     import torch
 
@@ -58,7 +60,7 @@ def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence
     model.eval()
     device = next(model.parameters()).device
     try:
-        for seed in seeds:
+        for done, seed in enumerate(seeds, 1):
             _reach_state(game, seed, random_actions)
             for view, coordinates in (("raw", False), ("coords", True)):
                 state = game.render_text(coordinates=coordinates)
@@ -69,6 +71,8 @@ def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence
                     nll = _target_nll(model, context_ids, target_ids, device)
                 totals[view][0] += nll
                 totals[view][1] += len(target_ids)
+            if progress is not None:
+                progress(done)
     finally:
         model.train(was_training)
     result: dict[str, Any] = {

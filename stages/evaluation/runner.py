@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from stages.agent.env_manager import check_modes
 from stages.agent.episode import episode_id
-from stages.agent.proxy import model_label, play_shared
+from stages.agent.proxy import RolloutMeter, model_label, play_shared
 from stages.common import artifacts, distributed, runs
 from stages.common.config import EvalConfig, SPAConfig, to_dict
 from stages.common.console import Console
@@ -60,6 +61,18 @@ def check_out(out: str | Path) -> None:
 
 def eval_seeds(config: EvalConfig) -> list[int]:
     return list(range(config.first_seed, config.first_seed + config.seeds))
+
+
+def header(config: SPAConfig, resuming: bool, player: str) -> str:
+    """The line that says what the eval will do, before a model loads: ``eval: 128 puzzles x 8
+    samples = 1024 episodes of up to 5 turns on sokoban (base prompt, coords states); model
+    smollm2-135m, hf backend on cpu (float32); -> runs/report.json``."""
+    n, _ = sample_plan(config.eval)
+    ev = config.eval
+    then = ", then the state perplexity" if ev.state_ppl else ""
+    return (f"eval: {ev.seeds} puzzles x {n} samples = {ev.seeds * n} episodes of up to {config.rollout.max_turns} "
+            f"turns on {config.env.name} ({ev.prompt_mode} prompt, {ev.render_mode} states){then}; {player}; "
+            f"-> {ev.out}{runs.RESUMING if resuming else ''}")
 
 
 def check(config: SPAConfig, backend: str) -> tuple[Any, dict[str, Any], bool]:
@@ -101,21 +114,20 @@ def evaluate(config: SPAConfig, backend: Any, *, model: Any = None, tokenizer: A
     played = {row["id"] for row in _rows(traj_path) if row["id"] in wanted}
     appender = artifacts.JsonlAppender(traj_path) if dist.main else contextlib.nullcontext()
     console = Console(config.quiet or not dist.main)
-    with appender, console.progress("eval", len(wanted), len(played), transient=True) as bar:
+    with appender, console.progress("eval", 0, unit="turns", transient=True) as bar:
         def keep(episode: Any) -> None:
             if dist.main:
                 appender.append(episode.to_json())
-            bar.advance()
 
         play_shared(config.env, config.rollout, backend, seeds, n, dist, prompt_mode=config.eval.prompt_mode,
                     render_mode=config.eval.render_mode, model=config.model.name,
-                    skip_ids=frozenset(played), on_episode=keep)
-    report = _report(config, settings, seeds, env, backend, model, tokenizer) if dist.main else None
+                    skip_ids=frozenset(played), on_episode=keep, meter=RolloutMeter(bar))
+    report = _report(config, settings, seeds, env, backend, model, tokenizer, console) if dist.main else None
     return distributed.broadcast(report, dist)
 
 
 def _report(config: SPAConfig, settings: dict[str, Any], seeds: list[int], env: Any, backend: Any, model: Any,
-            tokenizer: Any) -> dict:
+            tokenizer: Any, console: Console) -> dict:
     """The report of the episodes in the trajectory file, written to ``eval.out``."""
     out, traj_path = Path(config.eval.out), reports.trajectories_path(config.eval.out)
     wanted = {episode_id(config.env.name, seed, sample) for seed in seeds for sample in range(settings["n"])}
@@ -124,8 +136,9 @@ def _report(config: SPAConfig, settings: dict[str, Any], seeds: list[int], env: 
 
     report_metrics = metrics.summarize(trajectories, lambda action: env.parse_action(action) is not None)
     if config.eval.state_ppl:
-        report_metrics["state_perplexity"] = {"model": config.model.name,
-                                              **_state_perplexity(config, seeds, backend, model, tokenizer)}
+        with console.progress("eval state perplexity", len(seeds), unit="states", transient=True) as bar:
+            measured = _state_perplexity(config, seeds, backend, model, tokenizer, bar.update)
+        report_metrics["state_perplexity"] = {"model": config.model.name, **measured}
     report = {
         "format": reports.REPORT_FORMAT,
         "format_version": reports.REPORT_VERSION,
@@ -145,7 +158,8 @@ def _rows(path: Path) -> list[dict]:
     return artifacts.read_jsonl(path, skip_bad=True, required=("id", "seed", "sample", "success"))[0]
 
 
-def _state_perplexity(config: SPAConfig, seeds: list[int], backend: Any, model: Any, tokenizer: Any) -> dict:
+def _state_perplexity(config: SPAConfig, seeds: list[int], backend: Any, model: Any, tokenizer: Any,
+                      progress: Callable[[int], None]) -> dict:
     model = model if model is not None else getattr(backend, "model", None)
     tokenizer = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
     if model is None:  # the vllm backend holds no HF model in this process
@@ -153,4 +167,4 @@ def _state_perplexity(config: SPAConfig, seeds: list[int], backend: Any, model: 
 
         model, tokenizer = load_model(config.model)
     return state_perplexity(model, tokenizer, config.env, seeds, prompt_mode=config.eval.prompt_mode,
-                            max_actions_per_traj=config.rollout.max_actions_per_traj)
+                            max_actions_per_traj=config.rollout.max_actions_per_traj, progress=progress)

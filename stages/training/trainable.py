@@ -39,6 +39,12 @@ def mixed_precision(model: ModelConfig, device: str) -> str | None:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(pick_dtype(model.dtype, device))
 
 
+def precision_label(model: ModelConfig, device: str) -> str:
+    """How training on `device` computes, for a stage's header line: "fp32" or "bf16 mixed"."""
+    mixed = mixed_precision(model, device)
+    return f"{mixed} mixed" if mixed else "fp32"
+
+
 def load_trainable(model: ModelConfig, dist: Dist, *, zero_stage: int, seed: int,
                    gradient_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: int = 64,
                    without_dropout: bool = False) -> tuple[Any, Any, str | None]:

@@ -116,8 +116,8 @@ def test_each_turn_extends_the_last_prompt_with_the_sampled_tokens(engine, token
     class Recording:
         name, tokenizer = engine.name, engine.tokenizer
 
-        def generate(self, requests, params):
-            completions = engine.generate(requests, params)
+        def generate(self, requests, params, progress=None):
+            completions = engine.generate(requests, params, progress)
             calls.append({r.key: (r.prompt_ids, c) for r, c in zip(requests, completions)})
             return completions
 

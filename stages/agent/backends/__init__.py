@@ -17,6 +17,7 @@ from stages.agent.backends.base import (
     Completion,
     GenerationBackend,
     GenerationRequest,
+    OnProgress,
     SamplingParams,
     end_token_ids,
 )
@@ -25,8 +26,8 @@ from stages.common.errors import UserError
 if TYPE_CHECKING:
     from stages.common.config import ModelConfig, RolloutConfig
 
-__all__ = ["BACKENDS", "Completion", "GenerationBackend", "GenerationRequest", "SamplingParams", "check_backend",
-           "end_token_ids", "make_backend"]
+__all__ = ["BACKENDS", "Completion", "GenerationBackend", "GenerationRequest", "OnProgress", "SamplingParams",
+           "check_backend", "end_token_ids", "make_backend"]
 
 BACKENDS = ("hf", "vllm", "random")
 
@@ -77,6 +78,24 @@ def backend_device(model_config: ModelConfig, rollout: RolloutConfig) -> str:
     from stages.common.models import pick_device
 
     return "cpu" if rollout.backend == "random" else pick_device(model_config.device)
+
+
+def describe_player(model_config: ModelConfig, rollout: RolloutConfig, world: int = 1,
+                    backend: GenerationBackend | None = None) -> str:
+    """What plays, for a stage's header line: the backend a caller passed in, or else what
+    `make_backend` will open, told before it loads anything: "model smollm2-135m, hf backend on
+    cpu (float32)" (the device and dtype it will pick), with "x N ranks" under a launcher; "random
+    actions, no model" for the random backend."""
+    if backend is not None:
+        return f"{backend.name} backend"
+    if rollout.backend == "random":
+        return "random actions, no model"
+    from stages.common.models import pick_dtype
+
+    device = backend_device(model_config, rollout)
+    dtype = str(pick_dtype(model_config.dtype, device)).removeprefix("torch.")
+    ranks = f" x {world} ranks" if world > 1 else ""
+    return f"model {model_config.name}, {rollout.backend} backend on {device}{ranks} ({dtype})"
 
 
 def check_backend(model_config: ModelConfig, rollout: RolloutConfig) -> None:

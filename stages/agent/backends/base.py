@@ -10,6 +10,7 @@ on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,14 +43,21 @@ class Completion:
     finish_reason: str = "stop"  # "stop" (stop string), "eos", or "length"
 
 
+#: `progress(tokens, completions)`: since the last report, `tokens` more sampled and `completions`
+#: more finished. Over one `generate` call the reports add up to its tokens and its completions.
+OnProgress = Callable[[int, int], None]
+
+
 class GenerationBackend(Protocol):
     name: str
     #: The tokenizer of token-level backends (their prompts and completions are token ids); None for
     #: a text-only backend (random), whose episodes then keep no token ids.
     tokenizer: Any
 
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
-        """One completion per request, in order."""
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams,
+                 progress: OnProgress | None = None) -> list[Completion]:
+        """One completion per request, in order; `progress` is told of tokens and completions as
+        they are made (a backend that cannot tell earlier reports them all when it returns)."""
         ...
 
     def release(self, keys: list[str]) -> None:

