@@ -20,8 +20,8 @@ Each batch size in ``--batches`` is a run of that many episodes (puzzles x 2 sam
 once (``rollout.batch_size``). The model is the bundled SmolLM2-135M-Instruct in float32 (``--dtype
 bfloat16`` adds ``engine_bf16``, the HF engine on a bf16 copy: faster on CPUs with native bf16
 matmul; and ``engine_autocast``, the engine on the float32 model under bf16 autocast, which is how
-`spa ppo` rolled out with its fp32 master weights before it kept a bf16 copy for the rollouts:
-``bf16_vs_autocast_tokens_per_s`` is that copy's speed-up). Each variant runs in its own
+`spa ppo` would roll out on its fp32 master weights without the bf16 copy it keeps for the
+rollouts: ``bf16_vs_autocast_tokens_per_s`` is that copy's speed-up). Each variant runs in its own
 interpreter, so its peak RSS is its own. Samples differ between the variants (different random
 streams), so tokens generated differ somewhat; the rates are what compare. Prints one JSON object;
 the target is engine >= 3x naive tokens/s.

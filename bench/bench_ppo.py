@@ -1,5 +1,5 @@
-"""Seconds per `spa ppo` step, by phase, for SmolLM2-135M on Sokoban (CPU by default): today's
-passes beside the cheaper ones, side by side in one run, and the update phase's tokens/s.
+"""Seconds per `spa ppo` step, by phase, for SmolLM2-135M on Sokoban (CPU by default): the
+default passes beside the cheaper ones, side by side in one run, and the update phase's tokens/s.
 
 A small config (2 groups x 4 episodes, 2 turns of at most 48 new tokens, every group kept, one
 mini-batch, GAE with the critic) runs for `--steps` steps per variant; the first step pays
@@ -7,7 +7,7 @@ one-off costs (DeepSpeed and allocator warm-up) and is left out of the figures, 
 medians over the rest. Variants (`ppo.*` settings):
 
 * ``unpacked``: every episode its own sequence in the actor, critic and reference passes, old
-  log-probs from a trainer pass (the passes before `ppo.pack_groups`);
+  log-probs from a trainer pass (`ppo.pack_groups: false`);
 * ``packed``: a group's episodes in one sequence, their shared first prompt computed once
   (`ppo.pack_groups`, the default), its attention block by block (no masked block computed);
 * ``packed_sampler_logprobs``: packed, and the old log-probs taken from the sampler

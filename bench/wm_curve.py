@@ -20,9 +20,9 @@ actions.
 
 Each run appends one JSON line per evaluated epoch to `--results` (default
 bench/wm_curve.jsonl) and prints it; `--plot` draws every line of that file as accuracy against
-the SFT's computed tokens, an earlier round's included: its cost on any machine (the same two
-cores ran SFT at 94 to 127 tokens/s at different times, so minutes from different runs do not
-compare). Not part of `make bench` (one point takes from minutes to hours on two cores):
+the SFT's computed tokens, an earlier round's included: its cost on any machine (a machine's SFT
+speed moves between runs, so minutes from different runs do not compare). Not part of `make
+bench` (one point takes from minutes to hours on two cores):
 
     python bench/wm_curve.py --env sokoban --games 64 --epochs 3 --actions 1 1
     python bench/wm_curve.py --plot bench/wm_curve.png

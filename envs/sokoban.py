@@ -83,11 +83,9 @@ What differs from gym-sokoban, and why the rooms stay comparable:
   pull counts as a "swap": ``box_swaps`` is in effect the number of pulls on the depth-first path
   that first reached the state. Here it is the number of pulls on the breadth-first path, i.e. the
   fewest pulls that reach the state. Both scores prefer boxes far from their targets reached by
-  many pulls. Measured by ``bench/bench_sokoban_generator.py`` (optimal solution lengths in moves,
-  without RAGEN's player steps, which gym-sokoban lacks): 6x6 with 1 box, mean 3.24 / median 2
-  here against 3.30 / 2 for gym-sokoban, with nearly the same histogram; 10x10 with 2 boxes,
-  17.9 / 18 against 17.6 / 17. The same run made rooms about 35x (6x6) and 90x or more (10x10)
-  faster than gym-sokoban.
+  many pulls. ``bench/bench_sokoban_generator.py`` compares the two: the histograms of optimal
+  solution lengths (without RAGEN's player steps, which gym-sokoban lacks) nearly agree, and the
+  rooms come one to two orders of magnitude faster (docs/results.md).
 * The start player position is where the last pull of that path left the player (gym-sokoban's
   first state with the winning boxes usually comes right after a pull); if that cell is a target, the
   player moves to the nearest non-target cell of its region (gym-sokoban scores a state with the

@@ -36,7 +36,7 @@ Options (`clean.*`):
   line, while their assistant turns keep the observation and prediction. SPA's PPO and its eval
   arms prompt the SFT model with the base prompt and rely on it writing its format there too
   (the base parser accepts the states inside `<think>`); a 1.5B model does, the bundled 135M one
-  trained on world-model prompts alone mostly does not (README, "The world-model curve"). The
+  trained on world-model prompts alone mostly does not (docs/experiments.md). The
   masked-state control gets the same rows with its states masked, so the two still differ only
   in the states.
 * `dedup`: rows with identical messages (and loss flags) are kept once.

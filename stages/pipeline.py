@@ -2,8 +2,8 @@
 
 An arm is one row of the paper's tables: a model it starts from, what it trains (world-model SFT,
 PPO, both, neither) and how it is evaluated. `pipeline.arms` lists them, in the order of the table;
-each is a built-in name below or a mapping that defines a variant (see `Arm`, README "The
-pipeline"). The built-in arms (reference notes §7.3, §7.5):
+each is a built-in name below or a mapping that defines a variant (see `Arm`, docs/cli.md
+"spa pipeline"). The built-in arms (reference notes §7.3, §7.5):
 
     name                     row of the paper                  SFT data (world-model prompt)  SFT        PPO (prompt, states)        eval
     base                     base model (Table 2)              -                              -          -                           base, raw grid
@@ -633,7 +633,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
     from stages.agent.backends import check_backend
 
     distributed.require_one_process("pipeline", "run it in one process, or run its stages one by one, generate, "
-                                    "sft, ppo and eval under the launcher (README: \"The paper's recipe on GPUs\")")
+                                    "sft, ppo and eval under the launcher (docs/gpu.md)")
     console = Console(config.quiet)
     check_backend(config.model, config.rollout)  # a missing vLLM fails now, not after the SFT
     tracking.check(config.tracking)  # before the first stage, not when sft starts
@@ -701,8 +701,8 @@ def _release_memory() -> None:
     """Free what the finished stage held (its models) before the next stage loads its own: the
     stages run in this one process. A stage shuts down the vLLM engine it opened itself (`close`:
     an in-process engine freezes the garbage collector's view of its objects until then), and the
-    training engines it trained with (`close`). glibc keeps the freed heap otherwise: a finished PPO
-    stage of the 135M model left 2.9 GB resident, 0.55 GB once trimmed."""
+    training engines it trained with (`close`). glibc keeps the freed heap otherwise, and the next
+    stage would start beside the last one's resident pages (docs/results.md)."""
     import ctypes
     import gc
 

@@ -274,8 +274,8 @@ def build_models(config: SPAConfig) -> Models:
     compute = eng.autocast_dtype(mixed, ppo.zero_stage, dist.device)
     if compute is not None and generator is not None and config.rollout.backend == "hf" and not ppo.lora_rank:
         # fp32 weights under autocast are cast again at every decoded token: the hf backend plays
-        # faster on a copy in the compute precision (bf16 on 2 CPU cores: 1.66x the tokens/s,
-        # bench_generate's engine_bf16 against engine_autocast), which push_weights refreshes
+        # faster on a copy in the compute precision (bench_generate's engine_bf16 against
+        # engine_autocast), which push_weights refreshes
         generator = (copy.deepcopy(lm) if generator is lm else generator).to(compute).eval().requires_grad_(False)
 
     def engine(module: nn.Module, lr: float):

@@ -1,5 +1,5 @@
 """Games from elsewhere: `module:Class` import paths, the `spa.envs` entry points, the API check, and
-README's example game."""
+the example game of docs/games.md."""
 
 from __future__ import annotations
 
@@ -190,16 +190,19 @@ def test_entry_points_register_names(installed_plugin):
     assert envs.spec("sokoban").entry_point == "envs.sokoban:SokobanEnv"  # built-in names win
 
 
-# ---- README's example game -----------------------------------------------------------------------
+# ---- docs/games.md's example game --------------------------------------------------------------
 
-def readme_example() -> str:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Your own game"):]
+GAMES_PAGE = REPO / "docs" / "games.md"
+
+
+def documented_example() -> str:
+    page = GAMES_PAGE.read_text(encoding="utf-8")
+    section = page[page.index("## Your own game"):]
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 
-def test_readme_shows_the_example_game_as_it_is():
-    assert readme_example() == (REPO / "examples" / "double_or_add.py").read_text(encoding="utf-8")
+def test_the_games_page_shows_the_example_game_as_it_is():
+    assert documented_example() == (REPO / "examples" / "double_or_add.py").read_text(encoding="utf-8")
 
 
 def test_the_example_game_plays_exactly(monkeypatch):
@@ -220,12 +223,12 @@ def test_the_example_game_plays_exactly(monkeypatch):
     assert env.reset(seed=0)[0] == text and env.step("Add one")[0].startswith("Value: 2;")
 
 
-def test_the_readme_commands_run_on_the_example(tmp_path, monkeypatch):
+def test_the_games_page_commands_run_on_the_example(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from spa_cli.main import app
 
-    section = (REPO / "README.md").read_text(encoding="utf-8").split("### Your own game")[1]
+    section = GAMES_PAGE.read_text(encoding="utf-8").split("## Your own game")[1]
     commands = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).splitlines()
     assert commands[0].startswith(f"spa generate --env {EXAMPLE} --backend random")
     monkeypatch.chdir(REPO)

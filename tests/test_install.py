@@ -46,8 +46,8 @@ def test_the_torch_range_takes_both_builds_torch():
 
 
 def test_the_gpu_extra_is_cuda_vllm_without_flash_attn():
-    """flash-attn's sdist imports torch when it builds, so it cannot be an extra (README: installed
-    after, with --no-build-isolation)."""
+    """flash-attn's sdist imports torch when it builds, so it cannot be an extra (docs/gpu.md:
+    installed after, with --no-build-isolation)."""
     extra = [Requirement(text) for text in PYPROJECT["project"]["optional-dependencies"]["gpu"]]
     assert [r.name for r in extra] == ["vllm"]
     assert Version("0.33.0") in extra[0].specifier and Version("0.32.0") not in extra[0].specifier

@@ -45,7 +45,7 @@ class Segment:
 
 @dataclass
 class Episode:
-    """One played episode. `to_json()` is the trajectory line of `spa generate` (README, "Data formats").
+    """One played episode. `to_json()` is the trajectory line of `spa generate` (docs/formats.md).
 
     Token fields (filled when a tokenizer is given): with the full history in the prompt
     (`single_sequence`), `token_ids` is the whole conversation as the model consumed and produced

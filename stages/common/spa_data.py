@@ -10,7 +10,7 @@ sudoku}-data``, one row per assistant turn with the columns
   read too).
 
 Other columns (``data_source``, ``ability``, ...) are ignored. A row becomes one of our SFT rows
-(what `spa clean` writes, README "Data formats"): the prompt's messages, earlier assistant turns
+(what `spa clean` writes, docs/formats.md): the prompt's messages, earlier assistant turns
 with ``"train": false``, then the response as the one trained assistant message; ``id`` is
 ``<file stem>-<row index>``, and ``source_id`` names the puzzle (a hash of the first user message),
 so that `spa clean` can split them without one puzzle on both sides.

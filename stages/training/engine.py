@@ -14,8 +14,8 @@
 Precision (`master_dtype`): a bfloat16 run keeps fp32 weights and computes in bf16. On CUDA,
 DeepSpeed does that itself (bf16 module, fp32 copies in the optimizer); plain torch, and every
 engine on the CPU, trains fp32 weights under `torch.autocast(bf16)`. On the CPU the autocast route
-is the fast one: DeepSpeed's bf16 mode ran at half the speed of fp32 (SmolLM2-135M, 2 cores),
-while autocast doubled it on a CPU with native bf16 matmul (AVX512-BF16/AMX). float16 needs loss
+is the fast one: DeepSpeed's bf16 mode runs slower than fp32 there, while autocast is faster than
+fp32 on a CPU with native bf16 matmul (AVX512-BF16/AMX; docs/results.md). float16 needs loss
 scaling, which only DeepSpeed on CUDA does.
 
 Both take the caller's gradient accumulation: `backward(loss, last)` for every micro-batch (the
@@ -28,7 +28,7 @@ Checkpoints: `save_state`/`load_state` write and read the full training state (w
 scheduler, a client dict) for an exact resume (`stages.training.checkpoints` writes the Hugging
 Face directories).
 
-DeepSpeed builds its CPU communication op the first time it starts on a machine (~2.5 min, JIT,
+DeepSpeed builds its CPU communication op the first time it starts on a machine (minutes, JIT,
 under a lock file); `make install` builds it ahead (`build_deepspeed_ops`), and `setup_distributed`
 never waits on a lock silently (`wait_for_op_build`).
 """
@@ -90,7 +90,7 @@ def setup_distributed(device: str, use_deepspeed: bool, low_memory: bool = False
 
 #: DeepSpeed's CPU communication op, built with torch's JIT extension loader.
 SHM_OP = "deepspeed_shm_comm"
-#: How long to wait for another process's build of it (a first build takes ~2.5 min on 2 cores).
+#: How long to wait for another process's build of it: several times what a first build takes on 2 cores.
 OP_BUILD_TIMEOUT_S = 900.0
 #: A lock that no live process is building under for this long was left by an interrupted build.
 OP_BUILD_GRACE_S = 5.0
@@ -165,9 +165,8 @@ def release_freed_memory_to_os() -> None:
     """Pin glibc's mmap threshold (at its 128 KiB default) so every large tensor gets its own
     mapping and goes back to the OS when freed. glibc otherwise raises the threshold each time a
     mapped block is freed, after which activations land in the heap and their freed pages stay
-    resident. Measured on SmolLM2-135M, full fine-tune at 2048 tokens with gradient checkpointing,
-    ZeRO-2, 2 CPU cores: 3.6 GB peak RSS instead of 4.4-4.6 GB, but every large tensor then costs
-    fresh page faults: 94 instead of 118 tokens/s in fp32, 151 instead of 213 under bf16 autocast.
+    resident. That lowers the peak, but every large tensor then costs fresh page faults, which
+    slows training (docs/results.md), so only the low-memory mode (gradient checkpointing) pins it.
     A no-op where glibc is absent (macOS, musl)."""
     import ctypes
     import ctypes.util

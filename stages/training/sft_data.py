@@ -42,12 +42,11 @@ conversation is kept, as in the paper's config) and counted; a row left with no 
 whose assistant messages all say `"train": false`) is dropped and counted. A row without an
 assistant message is an error.
 
-Batching, measured on 2 CPU cores with SmolLM2-135M (fp32, SDPA, fwd+bwd): one row per micro-batch
-runs at ~150-160 tokens/s for rows of 250-1000 tokens, packing 2-4 rows into one sequence at
-~140-155 tokens/s. Packed rows need a block-diagonal mask, which transformers 5 builds from
-restarting `position_ids`, and SDPA then computes the masked cross-row blocks too (and cannot take
-its `is_causal` fast path), while one CPU row is already a large enough matmul. So on CPU/SDPA each
-micro-batch is one row: no padding and no cross-row attention at all. With flash-attention 2 the
+Batching. Packed rows need a block-diagonal mask, which transformers 5 builds from restarting
+`position_ids`, and SDPA then computes the masked cross-row blocks too (and cannot take its
+`is_causal` fast path), while one CPU row is already a large enough matmul: on 2 CPU cores packing
+is no faster than one row at a time (docs/results.md). So on CPU/SDPA each micro-batch is one row:
+no padding and no cross-row attention at all. With flash-attention 2 the
 same restarting `position_ids` select the varlen kernel, which skips cross-row work, so there rows
 are packed (first-fit decreasing) up to `micro_batch_tokens` to fill the GPU. `packing` overrides.
 Either way the loss is a sum over trained tokens divided by the global batch's trained-token count,

@@ -578,8 +578,8 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[to
 
 
 def _sample_categorical(probs: torch.Tensor, generator) -> torch.Tensor:
-    """One draw per row by inverting the cumulative distribution: one uniform per row (on CPU
-    ~13x faster than torch.multinomial, which draws an exponential per vocabulary entry)."""
+    """One draw per row by inverting the cumulative distribution: one uniform per row (on a CPU
+    much faster than torch.multinomial, which draws an exponential per vocabulary entry)."""
     cdf = probs.cumsum(dim=-1)
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
     token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

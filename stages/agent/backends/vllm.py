@@ -72,7 +72,8 @@ CONVERSATION = 4096
 MIN_CONTEXT = 1024
 #: Tokens of a KV-cache block on a CPU (vLLM's CPU default; 16 on a GPU): the cache holds whole blocks.
 KV_BLOCK = 128
-#: vLLM's CPU kernels are used as they are: compiling them takes ~75 s more at every start.
+#: vLLM's CPU kernels are used as they are: compiling them adds more start-up time, at every start,
+#: than a stage's few batches win back.
 CPU_ENFORCE_EAGER = True
 
 
