@@ -76,7 +76,7 @@ bench: install
 	$(BIN)/python bench/run_all.py
 
 lint: install
-	$(BIN)/ruff check spa_cli stages envs tests bench examples
+	$(BIN)/ruff check spa_cli stages envs tests bench examples experiments
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,4 +1,4 @@
-"""bench/wm_curve.py: its cost accounting (a point that starts from an earlier SFT run has cost that
+"""experiments/wm_curve/wm_curve.py: its cost accounting (a point that starts from an earlier SFT run has cost that
 run's tokens too, so the curve places a self-play round at both rounds' tokens) and what it measures
 a checkpoint on (the tuning rooms, never the eval seeds)."""
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_wm_curve():
-    spec = importlib.util.spec_from_file_location("wm_curve", ROOT / "bench" / "wm_curve.py")
+    spec = importlib.util.spec_from_file_location("wm_curve", ROOT / "experiments" / "wm_curve" / "wm_curve.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

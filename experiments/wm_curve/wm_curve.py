@@ -19,13 +19,13 @@ that model play (the paper's data source, once the model writes the format) inst
 actions.
 
 Each run appends one JSON line per evaluated epoch to `--results` (default
-bench/wm_curve.jsonl) and prints it; `--plot` draws every line of that file as accuracy against
-the SFT's computed tokens, an earlier round's included: its cost on any machine (a machine's SFT
-speed moves between runs, so minutes from different runs do not compare). Not part of `make
-bench` (one point takes from minutes to hours on two cores):
+experiments/wm_curve/wm_curve.jsonl) and prints it; `--plot` draws every line of that file as
+accuracy against the SFT's computed tokens, an earlier round's included: a cost that compares across
+machines and runs, where minutes do not. One point takes from minutes to hours on two cores; the
+findings are in docs/experiments.md:
 
-    python bench/wm_curve.py --env sokoban --games 64 --epochs 3 --actions 1 1
-    python bench/wm_curve.py --plot bench/wm_curve.png
+    python experiments/wm_curve/wm_curve.py --env sokoban --games 64 --epochs 3 --actions 1 1
+    python experiments/wm_curve/wm_curve.py --plot experiments/wm_curve/wm_curve.png
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_RESULTS = ROOT / "bench" / "wm_curve.jsonl"
+DEFAULT_RESULTS = HERE / "wm_curve.jsonl"
 
 
 def run_point(args: argparse.Namespace) -> list[dict]:
