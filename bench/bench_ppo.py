@@ -16,12 +16,7 @@ medians over the rest. Variants (`ppo.*` settings):
   fine-tuning (`ppo.lora_rank`): no weight gradients or optimizer state for the base weights;
 * ``packed_shared_critic``: packed, the value head on the actor's trunk (`ppo.critic=shared`): one
   forward and backward for both losses, no second network;
-* ``packed_score_in_update``: packed, and no scoring pass: the update's first forward gives the
-  old log-probs and values, detached (`ppo.score_in_update`; one mini-batch a step, as here);
-* ``shared_critic_in_update``: packed, the shared critic and `ppo.score_in_update`: one forward
-  and one backward of one network per step besides the rollouts;
-* ``cheapest``: packed, sampler log-probs, LoRA, the shared critic and `ppo.score_in_update`
-  together (fp32 only);
+* ``cheapest``: packed, sampler log-probs, LoRA and the shared critic together (fp32 only);
 * ``packed_vllm``: packed, with vLLM's rollouts (``rollout.backend=vllm``, where vLLM is
   installed; fp32): the engine starts with the run and its start-up is in no phase; the update
   phase includes pushing the new weights into it. Its samples are vLLM's, so its step-1 losses
@@ -58,10 +53,7 @@ VARIANTS = {
     "packed_sampler_logprobs": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler"],
     "packed_lora": ["ppo.pack_groups=true", *LORA],
     "packed_shared_critic": ["ppo.pack_groups=true", "ppo.critic=shared"],
-    "packed_score_in_update": ["ppo.pack_groups=true", "ppo.score_in_update=true"],
-    "shared_critic_in_update": ["ppo.pack_groups=true", "ppo.critic=shared", "ppo.score_in_update=true"],
-    "cheapest": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler", *LORA, "ppo.critic=shared",
-                 "ppo.score_in_update=true"],
+    "cheapest": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler", *LORA, "ppo.critic=shared"],
     "packed_vllm": ["ppo.pack_groups=true", "rollout.backend=vllm"],
 }
 #: Variants whose step-1 rollouts are not the hf backend's samples (another sampler): not compared.

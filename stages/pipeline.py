@@ -749,30 +749,11 @@ def write_table(the_plan: Plan) -> str:
         if with_ppl:
             figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
         figures += [difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"])]
-        lines.append(f"| {labels[name]}{_stopped_early(the_plan.rows[name])} | " + " | ".join(figures) + " |")
+        lines.append(f"| {labels[name]} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"
     with artifacts.atomic_write(the_plan.dir / "table.md") as handle:
         handle.write(table)
     return table
-
-
-def _stopped_early(row: Stage) -> str:
-    """A note for an arm whose PPO stopped early (`ppo.stop_without_spread`), else "". Read from
-    the metrics, which outlive trainer_state/ (deleted to free the disk once a run is done)."""
-    from stages.ppo import stops_without_spread
-    from stages.training.checkpoints import RunDir
-
-    stage = row
-    while stage is not None and stage.kind != "ppo":
-        stage = stage.upstream
-    metrics = RunDir(stage.config.ppo.out, "ppo").metrics if stage is not None else None
-    rows = artifacts.read_jsonl(metrics, skip_bad=True)[0] if metrics is not None and metrics.is_file() else []
-    if not rows:
-        return ""
-    ppo, last = stage.config.ppo, rows[-1]
-    if last["step"] >= ppo.steps or not stops_without_spread(ppo, last.get("steps_without_spread", 0)):
-        return ""
-    return f" (PPO stopped at step {last['step']} of {ppo.steps}: no reward spread)"
 
 
 def write_plots(the_plan: Plan) -> None:

@@ -13,14 +13,11 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
    VAGEN's state rewards with ``ppo.state_reward``) is the reward of its last sampled token.
    Validation plays the ``eval.*`` prompt and render mode.
 2. **Filter**: keep the ``ppo.filter_ratio`` of groups with the largest reward std (SPA: 8 of 32).
-   After ``ppo.stop_without_spread`` steps in a row with no std anywhere the run stops early.
 3. **Old log-probs and values**: a no-grad pass of the actor (and of the frozen reference when
    ``ppo.kl_coef > 0``) and of the critic over the kept episodes (one pass for both with a
-   shared critic; none for the log-probs with ``ppo.old_logprobs: sampler``; none at all with
-   ``ppo.score_in_update`` and one mini-batch a step, where the update's first forward, made
-   before any weight moves, gives them detached and the advantages follow it). The mean |logp_trainer -
-   logp_sampler| over sampled tokens is logged every step (``logp_diff``): it shows that the
-   rollouts ran the current weights (it jumps when a weight sync fails).
+   shared critic; none for the log-probs with ``ppo.old_logprobs: sampler``). The mean
+   |logp_trainer - logp_sampler| over sampled tokens is logged every step (``logp_diff``): it shows
+   that the rollouts ran the current weights (it jumps when a weight sync fails).
 4. **Advantages**: token-level GAE (gamma = lambda = 1 by default, so A_t = R - V_t) whitened over
    the batch; or the bi-level (turn-level) GAE; or GRPO's group-normalised score, without a critic.
 5. **Update**: ``ppo.ppo_epochs`` passes over mini-batches of ``ppo.mini_batch`` episodes, in
@@ -60,9 +57,8 @@ launcher needs ZeRO (``ppo.zero_stage`` 1-3). In each step:
 Outputs in ``ppo.out``, the run directory of `stages.training.checkpoints`: ``metrics.jsonl`` (one
 line per step; step 0 holds the validation before training), ``step-N/`` every ``ppo.save_every``
 steps and ``final/`` (Hugging Face directories of the actor with its tokenizer),
-``val/step-N.json`` (`spa eval` reports with their trajectories, every ``ppo.val_every`` steps,
-before training unless ``ppo.val_before_train`` is off, and at the end unless ``ppo.val_after_train``
-is off), ``manifest.json``, and
+``val/step-N.json`` (`spa eval` reports with their trajectories, every ``ppo.val_every`` steps
+and after the last, before training unless ``ppo.val_before_train`` is off), ``manifest.json``, and
 ``trainer_state/`` for ``--resume`` (actor and critic engines with their optimizers, the step, the
 seed counter and the RNG state), written with each checkpoint.
 
@@ -128,7 +124,6 @@ from stages.training.ppo_samples import (
     Sample,
     collate,
     compute_advantages,
-    fill_scores,
     flat,
     padded,
     rank_micro_batches,
@@ -145,8 +140,8 @@ CONSTANT_LR_STEPS = 2**62
 #: AdamW betas of verl's actor and critic (SPA sets none).
 ADAM_BETAS = (0.9, 0.999)
 #: Settings that may differ between a run and its --resume without changing what is computed.
-RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "val_after_train", "save_every",
-               "micro_batch_tokens", "gradient_checkpointing", "pack_groups", "stop_without_spread"}
+RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
+               "gradient_checkpointing", "pack_groups"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -191,14 +186,6 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
             f"ppo.mini_batch={ppo.mini_batch} does not divide the episodes kept per step: "
             f"rollout.groups={rollout.groups} x ppo.filter_ratio={ppo.filter_ratio} -> {kept_groups} groups "
             f"x rollout.group_size={rollout.group_size} = {kept}; pick a mini_batch that divides {kept}")
-    if ppo.score_in_update and kept != ppo.mini_batch:
-        raise UserError(f"ppo.score_in_update takes the old log-probs and values from the update's first forward, "
-                        f"which needs one mini-batch a step: ppo.mini_batch={ppo.mini_batch}, but {kept} episodes "
-                        f"are kept; set ppo.mini_batch={kept} or ppo.score_in_update=false")
-    if ppo.score_in_update and ppo.zero_stage == 3:
-        raise UserError("ppo.score_in_update holds several forwards of the actor before their backwards, which "
-                        "ZeRO-3's sharded parameters do not allow (the gradients come out wrong); use "
-                        "ppo.zero_stage 0-2, or ppo.score_in_update=false")
     if world > 1:
         _check_world(config, world)
 
@@ -344,22 +331,19 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
         engine.module.train()
     totals: dict[str, float] = {}
     norms: dict[str, list[float]] = {name: [] for name in engines}
-    for epoch in range(ppo.ppo_epochs):
+    for _ in range(ppo.ppo_epochs):
         for mini in shares:  # in order: SPA's shuffle=False
             parts = [[samples[i] for i in part] for part in mini]
             tokens = sum(s.steps for part in parts for s in part)  # every loss: a token mean over the WHOLE mini-batch
             micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
             batches = [collate(rows, dist.device, pad_id) for rows, _ in micros]
-            first = ppo.score_in_update and epoch == 0  # (one mini-batch a step: check_config)
-            outputs = _score_first_forward(models, samples, parts, micros, batches, config) if first else None
             for index, (rows, weight) in enumerate(micros):
                 batch = batches[index]
                 micro = [sample for row in rows for sample in row]  # collate's order
                 last = index == len(micros) - 1
-                actor_out, critic_out = outputs[index] if outputs else (None, None)
-                terms = _actor_backward(models, batch, micro, weight, tokens, last, config, step, actor_out)
+                terms = _actor_backward(models, batch, micro, weight, tokens, last, config, step)
                 if models.critic_engine is not None:
-                    terms |= _critic_backward(models, batch, micro, weight, tokens, last, config, step, critic_out)
+                    terms |= _critic_backward(models, batch, micro, weight, tokens, last, config, step)
                 for key, value in terms.items():  # micro means, weighted by their tokens
                     totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
             for name, engine in engines.items():
@@ -371,39 +355,11 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
     return stats | {f"{name}_grad_norm": sum(values) / len(values) for name, values in norms.items()}
 
 
-def _score_first_forward(models: Models, samples: list[Sample], parts: list[list[Sample]],
-                         micros: list[tuple[list[list[Sample]], float]], batches: list[dict],
-                         config: SPAConfig) -> list[tuple[Any, Any]]:
-    """``ppo.score_in_update``: the first epoch's forwards (with gradients) of every micro-batch,
-    whose detached log-probs and values are the old ones, since no weight has moved since the
-    rollouts; then the advantages of the whole batch, which need every value before any loss.
-    Returns each micro-batch's (actor, critic) outputs for its backward."""
-    scored = _policy_fields(_old_from_sampler(samples, config.ppo), models.shared_critic)
-    outputs = []
-    for (rows, weight), batch in zip(micros, batches, strict=True):
-        actor_out = _actor_forward(models, batch)
-        critic_out = models.critic_engine(**batch) if models.critic_engine is not None else None
-        if weight:
-            fill_scores(rows, scored, actor_out)
-            if critic_out is not None:
-                fill_scores(rows, ("values",), critic_out)
-        outputs.append((actor_out, critic_out))
-    fields = [field for field in scored if field] + (["values"] if models.critic_engine is not None else [])
-    _exchange(samples, parts, fields, models.dist)
-    compute_advantages(samples, config.ppo)
-    return outputs
-
-
-def _actor_forward(models: Models, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    return models.actor_engine(**batch, with_entropy=True, with_values=models.shared_critic)
-
-
 def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
-                    config: SPAConfig, step: int, out: tuple | None = None) -> dict[str, float]:
-    """The policy loss of a micro-batch (+ the value loss with a shared critic), backpropagated;
-    ``out``: its forward's outputs when already made (`_score_first_forward`)."""
+                    config: SPAConfig, step: int) -> dict[str, float]:
+    """The policy loss of a micro-batch (+ the value loss with a shared critic), backpropagated."""
     ppo, device = config.ppo, models.dist.device
-    logprobs, entropy, values = out if out is not None else _actor_forward(models, batch)
+    logprobs, entropy, values = models.actor_engine(**batch, with_entropy=True, with_values=models.shared_critic)
     pg_loss, stats = algos.policy_loss(logprobs, flat(micro, "old_logprobs", device), flat(micro, "advantages", device),
                                        torch.ones_like(logprobs), ppo.clip_low, ppo.clip_high, ppo.dual_clip,
                                        normalizer=tokens)
@@ -424,9 +380,9 @@ def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: fl
 
 
 def _critic_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
-                     config: SPAConfig, step: int, values: torch.Tensor | None = None) -> dict[str, float]:
+                     config: SPAConfig, step: int) -> dict[str, float]:
     engine = models.critic_engine
-    values = values if values is not None else engine(**batch)
+    values = engine(**batch)
     loss, terms = _value_loss(values, micro, tokens, config, models.dist.device)
     _check_finite(loss, "value loss", step, config, models.dist)
     engine.backward(loss * weight, last)
@@ -511,8 +467,7 @@ def keep_groups(episodes: list[Any], filter_ratio: float, dist: Dist) -> tuple[l
 def score_samples(models: Models, samples: list[Sample], shares: list[list[list[int]]], config: SPAConfig,
                   timer: _Timer) -> None:
     """Old log-probs (and reference log-probs, values) of every sample: each rank scores its parts,
-    then every rank gets every score. With ``ppo.score_in_update`` the actor's and critic's scores
-    are left to the update's first forward (`_score_first_forward`)."""
+    then every rank gets every score."""
     ppo, dist = config.ppo, models.dist
     device, pad_id = dist.device, models.tokenizer.pad_token_id
     parts = [[samples[i] for mini in shares for i in mini[rank]] for rank in range(dist.world)]
@@ -520,12 +475,11 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
     fields = []
     models.actor_engine.module.eval()
     from_sampler = _old_from_sampler(samples, ppo)
-    by_trainer = not ppo.score_in_update
     with timer("old_logprobs"):
         if from_sampler:
             for sample in samples:  # every rank has every sample's: nothing to exchange
                 sample.old_logprobs = sample.sampler_logprobs
-        elif by_trainer and not models.shared_critic:  # (a shared critic's pass below gives them with the values)
+        elif not models.shared_critic:  # (a shared critic's pass below gives them with the values)
             fields.append("old_logprobs")
             score(models.actor_engine, micros, ("old_logprobs",), device, pad_id)
         if models.reference is not None:
@@ -533,11 +487,11 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
             with _autocast(models.actor_engine):
                 score(models.reference, micros, ("ref_logprobs",), device, pad_id)
     with timer("values"):
-        if by_trainer and models.shared_critic:
-            scored = _policy_fields(from_sampler, with_values=True)
+        if models.shared_critic:
+            scored = (None if from_sampler else "old_logprobs", None, "values")  # (log-probs, entropies, values)
             fields += [field for field in scored if field]
             score(models.actor_engine, micros, scored, device, pad_id, with_values=True)
-        elif by_trainer and models.critic_engine is not None:
+        elif models.critic_engine is not None:
             fields.append("values")
             models.critic_engine.module.eval()
             score(models.critic_engine, micros, ("values",), device, pad_id)
@@ -548,12 +502,6 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
 
 def _old_from_sampler(samples: list[Sample], ppo: PPOConfig) -> bool:
     return ppo.old_logprobs == "sampler" and all(s.sampler_logprobs is not None for s in samples)
-
-
-def _policy_fields(from_sampler: bool, with_values: bool) -> tuple[str | None, str | None, str | None]:
-    """The sample fields a policy pass's (log-probs, entropies, values) fill: no old log-probs
-    when the sampler gave them, values only from a shared critic's head."""
-    return None if from_sampler else "old_logprobs", None, "values" if with_values else None
 
 
 def _exchange(samples: list[Sample], parts: list[list[Sample]], fields: list[str], dist: Dist) -> None:
@@ -669,11 +617,10 @@ def run(config: SPAConfig) -> dict[str, Any]:
     dist, tokenizer = models.dist, models.tokenizer
     console = Console(config.quiet or not dist.main)
     saved = run_dir.prepare(dist, resuming, to_dict(config), settings(config))
-    step, seed_counter, rng, flat_steps, stopped = 0, 0, None, 0, False
+    step, seed_counter, rng = 0, 0, None
     if saved is not None:
         rng = load_checkpoint(run_dir, models)
         step, seed_counter = saved["step"], saved["seed_counter"]
-        flat_steps, stopped = saved.get("flat_steps", 0), saved.get("stopped", False)
     if dist.main:
         _forget_validations_after(run_dir.out, step if saved is not None else -1)
     distributed.barrier(dist)
@@ -695,7 +642,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 row = {"step": 0, **validate(config, backend, models, 0)}
             log.append(row)
             tracker.log(row)
-        while step < ppo.steps and not stopped:
+        while step < ppo.steps:
             step += 1
             timer = _Timer()
             # 1. rollouts on fresh train seeds, played by the current weights (this rank's groups)
@@ -707,8 +654,6 @@ def run(config: SPAConfig) -> dict[str, Any]:
             # 2. keep the groups whose rewards differ the most (every rank sees every score)
             with timer("exchange"):
                 figures, kept = keep_groups(episodes, ppo.filter_ratio, dist)
-            flat_steps = 0 if _any_spread(figures) else flat_steps + 1
-            stopped = stops_without_spread(ppo, flat_steps)
             if system_length is None:
                 system_length = system_prompt_length(tokenizer, kept[0].token_ids)
             samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
@@ -716,11 +661,9 @@ def run(config: SPAConfig) -> dict[str, Any]:
             # 3. log-probs and values before the update (each rank its part, then all of them)
             bar.update(step - 1, f"step {step}: update on {len(samples)} episodes")
             score_samples(models, samples, shares, config, timer)
-            # 4. advantages of the whole batch (with score_in_update: in the update, after its first
-            # forward); 5. update (a vLLM engine on a GPU sleeps meanwhile, leaving its memory to
-            # training), then hand the new weights to the rollout engine, which wakes it
-            if not ppo.score_in_update:
-                compute_advantages(samples, ppo)
+            # 4. advantages of the whole batch; 5. update (a vLLM engine on a GPU sleeps meanwhile,
+            # leaving its memory to training), then hand the new weights to the rollout engine, which wakes it
+            compute_advantages(samples, ppo)
             with timer("update"):
                 if config.rollout.backend == "vllm":
                     backend.sleep()
@@ -728,11 +671,11 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 push_weights(models, backend, config)
 
             row = {"step": step, "seed_counter": seed_counter, **rollout_stats(figures, kept, samples),
-                   **train_stats, **timer.seconds, "steps_without_spread": flat_steps}
+                   **train_stats, **timer.seconds}
             update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
-            last_step = step == ppo.steps or stopped
-            if ppo.val_every and (ppo.val_after_train if last_step else step % ppo.val_every == 0):
+            last_step = step == ppo.steps
+            if ppo.val_every and (last_step or step % ppo.val_every == 0):
                 models.actor.eval()
                 bar.update(step - 1, f"step {step}: validation")
                 with timer("validation"), _autocast(models.actor_engine):
@@ -741,17 +684,14 @@ def run(config: SPAConfig) -> dict[str, Any]:
             log.append(_finite_or_none(row))
             tracker.log(row)
             last = row
-            progress = {"step": step, "seed_counter": seed_counter, "flat_steps": flat_steps, "stopped": stopped}
+            progress = {"step": step, "seed_counter": seed_counter}
             if last_step:
                 save_checkpoint(run_dir, FINAL_DIR, models, progress)
             elif step % ppo.save_every == 0:
                 save_checkpoint(run_dir, f"step-{step}", models, progress)
             bar.update(step, f"reward {row['reward']:.3f} success {row['success']:.2f}")
-    if stopped:
-        console.say(f"ppo: stopped after step {step} of {ppo.steps}: no group's rewards differed in the last "
-                    f"{flat_steps} steps (ppo.stop_without_spread)")
     console.say(f"ppo: {step} steps done; final checkpoint {run_dir.final}, metrics {run_dir.metrics}")
-    return {"out": str(run_dir.out), "steps": step, "stopped_early": stopped, "final": str(run_dir.final),
+    return {"out": str(run_dir.out), "steps": step, "final": str(run_dir.final),
             "last": _finite_or_none(last)}
 
 
@@ -766,17 +706,6 @@ def _closing(models: Models, backend: Any) -> Iterator[None]:
         models.actor_engine.close()
         if models.critic_engine is not None:
             models.critic_engine.close()
-
-
-def stops_without_spread(ppo: PPOConfig, flat_steps: int) -> bool:
-    """Whether `flat_steps` steps in a row without any reward spread end the run."""
-    return 0 < ppo.stop_without_spread <= flat_steps
-
-
-def _any_spread(figures: list[dict[str, Any]]) -> bool:
-    """Whether some group's episodes scored differently (the filter's std is > 0 somewhere)."""
-    spreads = algos.group_spreads([f["score"] for f in figures], [f["group"] for f in figures])
-    return any(spread > 0 for spread in spreads.values())
 
 
 def _announce(config: SPAConfig, models: Models, step: int, resumed: bool, console: Console) -> None:

@@ -295,26 +295,6 @@ def test_zero3_over_two_ranks_trains_and_samples_like_zero2(answering_dir, two_r
         torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-5)
 
 
-def test_scores_from_the_update_over_two_ranks_equal_one_process_scoring_pass(answering_dir, tmp_path):
-    """`ppo.score_in_update` (one mini-batch of 8, several micro-batches a rank): each rank's first
-    forwards give its part's old log-probs and values, gathered before the advantages; the step
-    equals one process's with a scoring pass. (ZeRO-3 is refused: its gradients came out wrong
-    with several forwards before their backwards.)"""
-    one_batch = ["ppo.mini_batch=8", "ppo.val_every=0"]
-    completed(spa(ppo_args(answering_dir, tmp_path / "one", 1, *one_batch), tmp_path))
-    completed(spa(ppo_args(answering_dir, tmp_path / "two", 1, *one_batch, "ppo.score_in_update=true"), tmp_path,
-                  ranks=2))
-    one, two = metric_rows(tmp_path / "one")[1], metric_rows(tmp_path / "two")[1]
-    assert one["kept_reward"] != one["reward"], "the episodes of the step all scored alike: the filter had no choice"
-    for field in ("reward", "kept_reward", "kept_seeds", "response_length"):
-        assert two[field] == one[field], field
-    for field in ("pg_loss", "value_loss", "entropy", "actor_grad_norm", "critic_grad_norm", "logp_diff"):
-        assert two[field] == pytest.approx(one[field], rel=1e-4, abs=1e-6), field
-    after_one, after_two = weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final")
-    for key in after_one:
-        torch.testing.assert_close(after_two[key], after_one[key], rtol=0, atol=1e-5)
-
-
 # ---- eval and generate: seeds split over the ranks -------------------------------------------------
 
 

@@ -4,7 +4,6 @@ differences, skipping completed stages, rerunning what a changed setting touches
 after a crash)."""
 
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -398,43 +397,3 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
     result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]"))
     assert result["skipped"] == ["generate/selfplay", "clean/selfplay", "sft/spa"]
     assert (run_dir / "eval" / "spa.json").is_file()
-
-
-def test_the_table_notes_an_arm_whose_ppo_stopped_early(tmp_path):
-    from stages.pipeline import Stage, _stopped_early
-
-    config = load_config(None, [f"ppo.out={tmp_path / 'ppo'}", "ppo.steps=8", "ppo.stop_without_spread=3"])
-    ppo_stage = Stage("ppo", "vanilla_rl", config, None, "k")
-    row = Stage("eval", "vanilla_rl", config, ppo_stage, "k2")
-    assert _stopped_early(row) == ""  # not run yet
-    metrics = tmp_path / "ppo" / "metrics.jsonl"
-    metrics.parent.mkdir(parents=True)
-
-    def ran(*flat_steps):
-        metrics.write_text("".join(json.dumps({"step": i + 1, "steps_without_spread": n}) + "\n"
-                                   for i, n in enumerate(flat_steps)))
-
-    ran(0, 1, 2, 3, 4, 5, 6, 7)  # all 8 steps: flat at the end, but not stopped
-    assert _stopped_early(row) == ""
-    ran(0, 1, 2)  # cut after step 3 (to be resumed): not a stop by the setting
-    assert _stopped_early(row) == ""
-    ran(1, 0, 1, 2, 3)
-    assert _stopped_early(row) == " (PPO stopped at step 5 of 8: no reward spread)"
-    assert _stopped_early(Stage("eval", "base", config, None, "k3")) == ""  # an arm without PPO
-
-
-def test_the_format_control_reuses_every_stage_of_the_sokoban_reproduction():
-    """configs/repro_cpu/sokoban_format_control.yaml runs in the reproduction's directory: every
-    stage of sokoban.yaml is one of its stages with the same settings (so it is skipped there), and
-    the placeholder arms add one SFT on the same rows, its eval, and one RL run with its eval."""
-    configs = Path(__file__).resolve().parent.parent / "configs" / "repro_cpu"
-    reproduction = pipeline.plan(load_config(configs / "sokoban.yaml"))
-    control = pipeline.plan(load_config(configs / "sokoban_format_control.yaml"))
-    assert control.dir == reproduction.dir
-    found = {stage.name: stage for stage in control.stages}
-    assert all(found[stage.name].key == stage.key for stage in reproduction.stages)
-    added = [stage for stage in control.stages if stage.name not in {s.name for s in reproduction.stages}]
-    assert [stage.name for stage in added] == ["sft/placeholder_sft", "eval/placeholder_sft", "ppo/placeholder_rl",
-                                               "eval/placeholder_rl"]
-    assert added[0].config.sft.state_text == "placeholder" and added[0].upstream.name == "clean/selfplay"
-    assert found["sft/spa_masked"].config.sft.state_text == "masked"

@@ -123,7 +123,7 @@ def test_tiny_run_writes_metrics_checkpoints_and_validation(two_steps, tokenizer
     for name in ("progress.json", "actor", "critic"):
         assert (state_dir / name).exists(), name
     progress = json.loads((state_dir / "progress.json").read_text())
-    assert progress == {"step": 2, "seed_counter": 4, "flat_steps": 2, "stopped": False}
+    assert progress == {"step": 2, "seed_counter": 4}
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     initial = AutoModelForCausalLM.from_pretrained(ppo_model_dir(out))
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), initial.parameters()))  # it trained
@@ -142,21 +142,21 @@ def test_val_before_train_off_validates_only_after_training(tiny_model_dir, tmp_
     assert sorted(path.name for path in (out / "val").glob("step-*[0-9].json")) == ["step-1.json"]
 
 
-def test_val_after_train_off_skips_only_the_last_steps_validation(tiny_model_dir, tmp_path):
-    """ppo.val_after_train=false: steps on the val_every grid validate, the last one does not."""
+def test_the_last_step_validates_off_the_val_every_grid(tiny_model_dir, tmp_path):
+    """With val_every > 0 the last step validates whether or not it falls on the grid (verl's
+    behaviour); the steps off the grid before it do not."""
     out = tmp_path / "run"
     ppo.run(tiny_config(tiny_model_dir, out, "ppo.steps=2", "ppo.zero_stage=0", "rollout.max_turns=1",
-                        "ppo.val_every=1", "ppo.val_before_train=false", "ppo.val_after_train=false",
-                        "eval.seeds=1", "eval.pass_k=1"))
+                        "ppo.val_every=3", "ppo.val_before_train=false", "eval.seeds=1", "eval.pass_k=1"))
     rows = read_metrics(out)
     assert [row["step"] for row in rows] == [1, 2]
-    assert "val_pass@1" in rows[0] and "val_pass@1" not in rows[1]
-    assert sorted(path.name for path in (out / "val").glob("step-*[0-9].json")) == ["step-1.json"]
+    assert "val_pass@1" not in rows[0] and "val_pass@1" in rows[1]
+    assert sorted(path.name for path in (out / "val").glob("step-*[0-9].json")) == ["step-2.json"]
     assert (out / "final" / "model.safetensors").is_file()
-    report = json.loads((out / "val" / "step-1.json").read_text())
-    episodes = (out / "val" / "step-1.trajectories.jsonl").read_text().splitlines()
-    assert report["settings"]["model"] == f"{out} (step 1)"  # the live actor, not the starting model
-    assert {json.loads(line)["model"] for line in episodes} == {f"{out} (step 1)"}
+    report = json.loads((out / "val" / "step-2.json").read_text())
+    episodes = (out / "val" / "step-2.trajectories.jsonl").read_text().splitlines()
+    assert report["settings"]["model"] == f"{out} (step 2)"  # the live actor, not the starting model
+    assert {json.loads(line)["model"] for line in episodes} == {f"{out} (step 2)"}
 
 
 def test_a_step_shows_its_rollout_turns_then_its_update(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -170,20 +170,9 @@ def test_masks_on_a_llama3_style_template(llama3_tokenizer):
     assert untrained_roles(example, tok, messages) == {"assistant"}
 
 
-def test_untrained_states_train_the_tags_but_not_the_states(tokenizer):
-    messages = conversation(random.Random(5), turns=1)
-    example = tokenize_row(tokenizer, messages, max_length=4096, state_text="untrained")
-    assert trained_runs(example, tokenizer) == [
-        "<think> <observation>", "</observation> I push right. <prediction>",
-        "</prediction> </think> <answer> Up </answer><|im_end|>"]
-    full = tokenize_row(tokenizer, messages, max_length=4096)
-    assert full.input_ids == example.input_ids and full.trained > example.trained
-
-
 def test_masked_rows_hold_no_state_text_in_input_or_target(tokenizer):
     """The paper's Fig. 4 ablation: every observation and prediction of the assistant turns, the
-    trained one and those of the context, is "[MASKED]", which carries no loss ("placeholder":
-    the same text, the placeholder trained)."""
+    trained one and those of the context, is "[MASKED]", which carries no loss."""
     messages = conversation(random.Random(9), turns=3, train=[False, False, True])
     states = [text for m in messages if m["role"] == "assistant"
               for text in re.findall(r"<(?:observation|prediction)>(.*?)</", m["content"], re.DOTALL)]
@@ -204,11 +193,7 @@ def test_masked_rows_hold_no_state_text_in_input_or_target(tokenizer):
         "<think> <observation>", "</observation> I push right. <prediction>",
         "</prediction> </think> <answer> Up </answer><|im_end|>"]
     assert mask_states(messages)[0] == messages[0] and mask_states(messages)[2]["content"] == masked
-    # "placeholder": the same text, and the placeholder is trained with the tags around it
-    placeholder = tokenize_row(tokenizer, messages, max_length=4096, state_text="placeholder")
-    assert placeholder.input_ids == example.input_ids
-    assert trained_runs(placeholder, tokenizer) == [masked + "<|im_end|>"]
-    with pytest.raises(ValueError, match="state_text must be one of trained, masked, placeholder, untrained"):
+    with pytest.raises(ValueError, match="state_text must be one of trained, masked, got 'hidden'"):
         tokenize_row(tokenizer, messages, max_length=4096, state_text="hidden")
 
 

@@ -71,6 +71,7 @@ def _check_number(key: str, value: Any, bounds: dict[str, float]) -> None:
 
 PromptMode = Literal["world_model", "base"]
 RenderMode = Literal["coords", "text"]
+StateText = Literal["trained", "masked"]
 
 
 @dataclass
@@ -193,11 +194,8 @@ class SFTConfig(_Section):
     max_length: int = setting(2048, ge=2)
     #: The observation and prediction contents of assistant messages: "trained" (the paper's
     #: method, eq. 2); "masked" (the paper's Fig. 4 ablation, what SPA's released trainer does: the
-    #: contents become "[MASKED]", in the target and in the history, with no loss on it);
-    #: "placeholder" (as masked, but "[MASKED]" is trained: the format without states, a control
-    #: for a model too small to keep the format under masked); "untrained" (the true states stay in
-    #: the text but carry no loss).
-    state_text: Literal["trained", "masked", "placeholder", "untrained"] = "trained"
+    #: contents become "[MASKED]", in the target and in the history, with no loss on it).
+    state_text: StateText = "trained"
     #: Pack several rows into one micro-batch; null: only with flash-attention 2 (see stages/training/sft_data.py).
     packing: bool | None = None
     #: One row per turn (`clean.unit: turn`): keep a trajectory's rows in one optimizer step and compute
@@ -279,12 +277,6 @@ class PPOConfig(_Section):
     #: the logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout's own, which
     #: saves that pass; fp32 only, with top_p 1 and the assistant loss mask, where they agree).
     old_logprobs: Literal["trainer", "sampler"] = "trainer"
-    #: With one mini-batch a step (``mini_batch`` = the kept episodes), the update's first forward
-    #: still runs the weights that played: its own log-probs and values, detached, are the old ones
-    #: (no scoring pass; verl's on-policy shortcut). The first epoch then holds every micro-batch's
-    #: activations at once (the advantages need every value before any loss), so
-    #: ``micro_batch_tokens`` no longer bounds its memory. Not under ZeRO-3.
-    score_in_update: bool = False
     #: LoRA adapters of this rank on every linear layer of actor and critic (0: full fine-tuning).
     #: The base weights stay frozen: no weight gradients, no optimizer state for them; the
     #: checkpoints are merged. LoRA usually wants a larger actor_lr than full fine-tuning.
@@ -307,20 +299,13 @@ class PPOConfig(_Section):
     #: Save memory for speed: recompute activations in the backward pass and, on the CPU, hand
     #: freed memory back to the OS at once (the 4 GB SmolLM2 full fine-tune at 2048 tokens).
     gradient_checkpointing: bool = False
-    #: Validate on the eval seeds every N steps, before training and at the end; 0 turns it off.
+    #: Validate on the eval seeds every N steps, before training and after the last; 0 turns it off.
     val_every: int = setting(10, ge=0)
     #: With val_every, validate the starting model too (step 0; verl's val_before_train). Off where
     #: that model has its own eval already, e.g. the pipeline's SFT arm, to save a full eval.
     val_before_train: bool = True
-    #: With val_every, validate after the last step too. Off where the final model gets its own eval
-    #: right after, e.g. a pipeline arm's, to save a full eval.
-    val_after_train: bool = True
     #: Write an HF checkpoint step-N/ every N steps (final/ is always written).
     save_every: int = setting(100, ge=1)
-    #: Stop (writing final/) after this many steps in a row in which no group's episodes scored
-    #: differently: PPO then learns only from the critic's errors, e.g. from a model that never
-    #: writes the format. 0 never stops early.
-    stop_without_spread: int = setting(0, ge=0)
     seed: int = setting(1, ge=0)
     resume: bool = False
 
@@ -364,7 +349,7 @@ class PipelineConfig(_Section):
     #: puzzles x 8 = 1280 trajectories); PPO draws its own rollout.groups per step.
     data_groups: int = setting(160, ge=1)
     #: Episodes per puzzle of the self-play data; unset: rollout.group_size, as SPA. 1 plays each
-    #: puzzle once (as bench/wm_curve.py does): more distinct rooms for the same trajectories.
+    #: puzzle once: more distinct rooms for the same trajectories.
     data_group_size: int | None = setting(None, ge=1)
 
 

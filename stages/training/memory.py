@@ -301,12 +301,10 @@ def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
     acts = activations(shape, p.micro_batch_tokens, p.gradient_checkpointing, PPO_HEAD_BYTES, w)
     if zero is None and w == 2:
         acts += 2 * (shape.params + lora)  # autocast's bf16 copies of the actor's fp32 weights
-    if p.score_in_update:
-        plan.notes.append("ppo.score_in_update holds every micro-batch of a mini-batch: one is counted")
     _record(plan, states, acts)
     plan.parts["weights"] += copies
     awake, start = _rollout_engine(plan, config, shape, hf_weights=False)
-    scores_logits = p.kl_coef > 0 or (p.old_logprobs == "trainer" and not p.score_in_update)
+    scores_logits = p.kl_coef > 0 or p.old_logprobs == "trainer"
     scoring = p.micro_batch_tokens * (layer_bytes(shape, w) + (SCORING_HEAD_BYTES * shape.vocab if scores_logits else 0))
     plan.parts["scoring"] = scoring
     resident = states.resident + copies + CUDA_CONTEXT

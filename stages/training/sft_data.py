@@ -25,14 +25,7 @@ State text (`state_text`, the contents of `<observation>...</observation>` and
   messages is the observation and stays) and is never trained to write one. Differences from
   SPA's trainer: the placeholder is text, not an added special token (no new embedding row, so
   checkpoints keep the base model's vocabulary), and the tags stay and are trained, so the model
-  still writes the format every parser looks for (SPA replaces tags and content by one token);
-* "placeholder": as "masked", but the placeholder is trained like the text around it, so the
-  model learns to write `<observation>[MASKED]</observation>` and `<prediction>[MASKED]</prediction>`:
-  the format of the world-model answers without any state in them. Not the paper's ablation: a
-  control for a model too small to keep the format when the placeholder carries no loss (the
-  135M bundled model under "masked" writes well-formed turns on about half of them, README);
-* "untrained": the true states stay in the text, input and target, but carry no loss (the tags
-  are trained). The model reads true states in its past turns; it is not the paper's ablation.
+  still writes the format every parser looks for (SPA replaces tags and content by one token).
 
 SPA's released parquet rows (`stages.common.spa_data`) are read like our JSONL rows (`read_rows`).
 
@@ -56,18 +49,19 @@ so how rows are grouped never changes the objective.
 from __future__ import annotations
 
 import random
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.agent.parsing import STATE_PATTERNS, state_spans
 from stages.common import spa_data
 from stages.common.artifacts import read_jsonl
+from stages.common.config import StateText
 from stages.common.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
-STATE_TEXT = ("trained", "masked", "placeholder", "untrained")
-#: What "masked" and "placeholder" write in place of every observation and prediction (the
-#: paper's "[MASKED]").
+STATE_TEXT = typing.get_args(StateText)
+#: What "masked" writes in place of every observation and prediction (the paper's "[MASKED]").
 MASK_PLACEHOLDER = "[MASKED]"
 
 
@@ -162,7 +156,7 @@ def tokenize_row(tokenizer, messages: list[dict], max_length: int, state_text: s
     for `state_text`); `row` names it in the Example and in errors."""
     if state_text not in STATE_TEXT:
         raise ValueError(f"state_text must be one of {', '.join(STATE_TEXT)}, got {state_text!r}")
-    if state_text in ("masked", "placeholder"):
+    if state_text == "masked":
         messages = mask_states(messages)
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tokenizer.apply_chat_template(chat, tokenize=False)
@@ -178,7 +172,7 @@ def tokenize_row(tokenizer, messages: list[dict], max_length: int, state_text: s
         start, end = spans[i]
         limit = _next_start(spans, i, len(text))
         _mark_turn(mask, ids, offsets, start, end, limit, special)
-        if state_text in ("masked", "untrained"):  # the placeholders, or the true states
+        if state_text == "masked":  # the placeholders carry no loss
             for lo, hi in state_spans(text, start, end):
                 _mark(mask, offsets, lo, hi, 0)
     mask[0] = 0  # the first token has no context to be predicted from
