@@ -109,7 +109,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-config_app = typer.Typer(help="Show the configuration a command runs with.", no_args_is_help=True)
+config_app = typer.Typer(help="The configuration: the resolved settings, and the reference of every key.",
+                         no_args_is_help=True)
 app.add_typer(config_app, name="config")
 eval_app = typer.Typer()  # its help is eval_'s docstring
 app.add_typer(eval_app, name="eval")
@@ -136,25 +137,12 @@ def _root(
     pass
 
 
-def _shown(value: Any) -> str:
-    """A config value as a YAML file writes it (null, true, [0.9, 0.95])."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ", ".join(map(_shown, value)) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
 def _flag(key: str, help: str, *names: str) -> Any:
     """An option that sets config key `key` (None when not given: the config decides); its --help
     shows the key and the built-in default it resolves to when neither --config nor --set sets it."""
-    from stages.common.config import default_of
+    from stages.common.config import default_of, yaml_text
 
-    return typer.Option(*names, help=help, show_default=f"{key}: {_shown(default_of(key))}")
+    return typer.Option(*names, help=help, show_default=f"{key}: {yaml_text(default_of(key))}")
 
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.",
@@ -571,6 +559,25 @@ def config_show(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     from stages.common.config import load_config, to_yaml
 
     typer.echo(to_yaml(load_config(config, set_ or [])), nl=False)
+
+
+@config_app.command("docs")
+@user_errors
+def config_docs(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Markdown file to write.",
+                                             show_default="none: print the page")] = None,
+) -> None:
+    """The configuration reference (docs/configuration.md), written from the schema: every key with
+    its type, default, accepted values, the paper's value and what it is for."""
+    from stages.common import artifacts
+    from stages.common import config_docs as docs
+
+    page = docs.reference()
+    if out is None:
+        typer.echo(page, nl=False)
+        return
+    with artifacts.atomic_write(out) as handle:
+        handle.write(page)
 
 
 @app.command()

@@ -141,7 +141,7 @@ CONSTANT_LR_STEPS = 2**62
 ADAM_BETAS = (0.9, 0.999)
 #: Settings that may differ between a run and its --resume without changing what is computed.
 RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
-               "gradient_checkpointing", "pack_groups"}
+               "gradient_checkpointing", "pack_groups", "deepspeed_config"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def build_models(config: SPAConfig) -> Models:
 
     def engine(module: nn.Module, lr: float):
         optim = eng.OptimSettings(lr, ADAM_BETAS, ppo.weight_decay, ppo.grad_clip, CONSTANT_LR_STEPS, 0.0)
-        return trainable.make_engine(module, dist, mixed, ppo.zero_stage, optim, ppo.offload)
+        return trainable.make_engine(module, dist, mixed, ppo.zero_stage, optim, ppo.offload, ppo.deepspeed_config)
 
     policy = StepPolicy(lm, config.rollout.temperature, value_lr=ppo.critic_lr if shared else None)
     actor_engine = engine(policy, ppo.actor_lr)
@@ -710,7 +710,7 @@ def _closing(models: Models, backend: Any) -> Iterator[None]:
 
 def _announce(config: SPAConfig, models: Models, step: int, resumed: bool, console: Console) -> None:
     ppo, rollout, dist = config.ppo, config.rollout, models.dist
-    engine = f"ZeRO-{ppo.zero_stage}" if ppo.zero_stage else "plain torch"
+    engine = trainable.describe_engine(ppo, dist.device)
     ranks = f" x {dist.world} ranks" if dist.world > 1 else ""
     where = f"resuming after step {step}" if resumed else "from the start"
     precision = trainable.precision_label(config.model, dist.device)

@@ -227,13 +227,12 @@ class _Trainer:
         s, cfg = self.stats, self.cfg
         where = (f"resuming at step {progress.global_step} (epoch {progress.epoch + 1}, step {progress.step})"
                  if resumed else "from the start")
-        engine = f"ZeRO-{cfg.zero_stage}" if cfg.zero_stage else "plain torch"
-        offload = " (offload has no effect on a CPU run)" if cfg.offload and self.dist.device == "cpu" else ""
+        engine = trainable.describe_engine(cfg, self.dist.device)
         precision = trainable.precision_label(self.config.model, self.dist.device)
         self.console.say(f"sft: {self.config.model.name} on {s.kept} rows ({s.truncated} truncated, {s.dropped_empty} "
                          f"dropped), {s.tokens} tokens, {s.trained_tokens} trained; {len(self.val)} validation rows; "
                          f"{self.total_steps} steps of {cfg.global_batch} rows on {self.dist.world}x "
-                         f"{self.dist.device} ({engine}, {precision}{offload}); -> {self.run_dir.out}; {where}")
+                         f"{self.dist.device} ({engine}, {precision}); -> {self.run_dir.out}; {where}")
 
     def _epochs(self, progress: Progress, metrics, tracker: tracking.Tracker) -> dict:
         plan: dict[int, list[list[int]]] = {}

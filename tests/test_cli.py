@@ -250,8 +250,7 @@ def help_records():
 
 
 def test_every_flags_help_shows_the_default_it_resolves_to():
-    from spa_cli.main import _shown
-    from stages.common.config import default_of
+    from stages.common.config import default_of, yaml_text
 
     seen = 0
     for path, param, text in help_records():
@@ -259,7 +258,7 @@ def test_every_flags_help_shows_the_default_it_resolves_to():
         found = re.search(r"\[default: \((\w+(?:\.\w+)+): (.*)\)\]$", text)
         if found:  # a shorthand for a config key: the key and its built-in default
             key, shown = found.groups()
-            assert shown == _shown(default_of(key)), (path, param.name)
+            assert shown == yaml_text(default_of(key)), (path, param.name)
             seen += 1
     assert seen > 40
 

@@ -1,17 +1,98 @@
 """The config system: defaults, inheritance, overrides, and one-line errors that name the key."""
 
+import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
+import yaml
 
-from stages.common.config import SPAConfig, load_config, to_yaml
+from stages.common import config_docs
+from stages.common.config import SPAConfig, TrainingConfig, load_config, to_dict, to_yaml
 from stages.common.errors import UserError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
 
 
-def test_base_yaml_spells_out_the_defaults():
-    assert load_config(CONFIGS / "base.yaml") == SPAConfig()
+def dotted_keys(config: dict) -> set[str]:
+    """`section.key` for every key of every section, and the top-level settings by name."""
+    return {f"{name}.{key}" for name, value in config.items() if isinstance(value, dict) for key in value} | {
+        name for name, value in config.items() if not isinstance(value, dict)}
+
+
+def test_base_yaml_spells_out_every_key_with_its_default():
+    written = yaml.safe_load((CONFIGS / "base.yaml").read_text(encoding="utf-8"))
+    schema = to_dict(SPAConfig())
+    assert sorted(dotted_keys(schema) - dotted_keys(written)) == [], "keys of the schema missing from base.yaml"
+    assert sorted(dotted_keys(written) - dotted_keys(schema)) == [], "keys of base.yaml the schema does not have"
+    differ = sorted(key for key in dotted_keys(schema) if _value(written, key) != _value(schema, key))
+    assert differ == [], "base.yaml values that are not the schema's defaults"
+
+
+def _value(config: dict, key: str):
+    section, _, name = key.partition(".")
+    return config[section][name] if name else config[section]
+
+
+def test_the_key_sets_are_compared_both_ways():
+    schema = to_dict(SPAConfig())
+    fewer = {**schema, "ppo": {k: v for k, v in schema["ppo"].items() if k != "steps"}}
+    more = {**schema, "ppo": {**schema["ppo"], "score_in_update": False}}
+    assert dotted_keys(schema) - dotted_keys(fewer) == {"ppo.steps"}
+    assert dotted_keys(more) - dotted_keys(schema) == {"ppo.score_in_update"}
+
+
+def test_the_configuration_page_is_written_from_the_schema():
+    committed = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert committed == config_docs.reference(), (
+        f"docs/configuration.md differs from the schema; run: {config_docs.COMMAND}")
+
+
+def test_every_setting_says_what_it_is_for_and_every_key_is_on_the_page():
+    page = config_docs.reference()
+    sections = [f for f in dataclasses.fields(SPAConfig) if dataclasses.is_dataclass(getattr(SPAConfig(), f.name))]
+    for section in sections:
+        cls = type(getattr(SPAConfig(), section.name))
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), cls  # its own docstring
+        for f in dataclasses.fields(cls):
+            assert f.metadata["help"].strip(), f"{section.name}.{f.name} has no help"
+            assert f"| `{section.name}.{f.name}` |" in page
+    assert "| `quiet` |" in page
+
+
+def test_sft_and_ppo_declare_their_training_settings_once():
+    shared = {f.name for f in dataclasses.fields(TrainingConfig)}
+    assert {"zero_stage", "offload", "deepspeed_config", "gradient_checkpointing", "lora_rank"} <= shared
+    for section in (SPAConfig().sft, SPAConfig().ppo):
+        assert isinstance(section, TrainingConfig)
+        own = set(inspect.get_annotations(type(section)))
+        assert own & shared == set(), f"{type(section).__name__} declares {own & shared} again"
+    assert load_config(None, ["sft.offload=true", "ppo.zero_stage=3"]).ppo.zero_stage == 3
+
+
+@pytest.mark.parametrize("hint, bounds, type_text, accepted", [
+    ("int", {"ge": 1}, "integer", ">= 1"),
+    ("float | None", {"gt": 0, "le": 1}, "number or null", "> 0 and <= 1"),
+    ("list[float]", {"ge": 0, "lt": 1}, "list of number", ">= 0 and < 1"),
+    ('Literal["a", "b"]', {}, "choice", "`a` | `b`"),
+    ('list[Literal["none", "wandb"]]', {}, "list of choice", "`none` | `wandb`"),
+    ("list[str | dict[str, Any]]", {}, "list of text or mapping", ""),
+    ("Literal[0, 1, 2, 3]", {}, "choice", "`0` | `1` | `2` | `3`"),
+    ("bool | None", {}, "true/false or null", ""),
+])
+def test_the_page_writes_types_and_accepted_values(hint, bounds, type_text, accepted):
+    from typing import Any, Literal  # noqa: F401 - for eval
+
+    parsed = eval(hint)
+    assert config_docs.type_text(parsed) == type_text
+    assert config_docs.accepted(parsed, bounds) == accepted
+
+
+@pytest.mark.parametrize("path", sorted([*CONFIGS.rglob("*.yaml"), *(ROOT / "experiments").rglob("*.yaml")]),
+                         ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_shipped_config_names_only_settings_of_the_schema(path):
+    load_config(path)
 
 
 @pytest.mark.parametrize("name", ["sokoban", "frozen_lake", "sudoku"])

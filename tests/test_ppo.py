@@ -142,6 +142,26 @@ def test_val_before_train_off_validates_only_after_training(tiny_model_dir, tmp_
     assert sorted(path.name for path in (out / "val").glob("step-*[0-9].json")) == ["step-1.json"]
 
 
+def test_offload_and_a_deepspeed_config_reach_both_training_engines(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The training settings PPO shares with SFT go to the actor's and the critic's engine alike;
+    on the CPU offload has nothing to move, which the opening line says."""
+    from stages.training import trainable
+
+    seen, make_engine = [], trainable.make_engine
+
+    def spy(module, dist, mixed, zero_stage, optim, offload=False, deepspeed_config=""):
+        seen.append((type(module).__name__, zero_stage, offload, deepspeed_config))
+        return make_engine(module, dist, mixed, zero_stage, optim, offload, deepspeed_config)
+
+    monkeypatch.setattr(trainable, "make_engine", spy)
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text("{}")  # plain torch reads none: what is checked is where it goes
+    ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "ppo.zero_stage=0", "ppo.offload=true",
+                        f"ppo.deepspeed_config={ds_config}", "quiet=false"))
+    assert seen == [("StepPolicy", 0, True, str(ds_config)), ("ValueModel", 0, True, str(ds_config))]
+    assert "plain torch (offload has no effect on a CPU run) on cpu" in capsys.readouterr().out
+
+
 def test_the_last_step_validates_off_the_val_every_grid(tiny_model_dir, tmp_path):
     """With val_every > 0 the last step validates whether or not it falls on the grid (verl's
     behaviour); the steps off the grid before it do not."""

