@@ -100,3 +100,24 @@ def test_the_control_reuses_every_stage_of_the_sokoban_reproduction(tmp_path, mo
     assert {k: v for k, v in control_sft.items() if k not in paths} == {k: v for k, v in spa_sft.items()
                                                                          if k not in paths}
     assert spa_sft["state_text"] == "trained"
+
+
+def test_the_script_runs_the_reproduction_then_writes_the_rows_then_runs_every_arm(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = load_format_control()
+    ran = []
+
+    def run(config):  # stands for `spa pipeline`: the first run writes the self-play SFT rows
+        ran.append([arm if isinstance(arm, str) else arm["name"] for arm in config.pipeline.arms])
+        rows = Path("runs/repro_cpu/sokoban/sft_data/selfplay.jsonl")
+        if not rows.exists():
+            rows.parent.mkdir(parents=True)
+            rows.write_text(json.dumps(ROW) + "\n")
+        return {}
+
+    monkeypatch.setattr(module.pipeline, "run", run)
+    monkeypatch.setattr("sys.argv", ["format_control.py"])
+    module.main()
+    assert [arms[-2:] for arms in ran] == [["spa_validated", "spa_masked"], ["placeholder_sft", "placeholder_rl"]]
+    written = Path("runs/repro_cpu/sokoban/sft_data/placeholder.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in written] == module.placeholder_rows([ROW])
