@@ -567,8 +567,9 @@ def config_docs(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Markdown file to write.",
                                              show_default="none: print the page")] = None,
 ) -> None:
-    """The configuration reference (docs/configuration.md), written from the schema: every key with
-    its type, default, accepted values, the paper's value and what it is for."""
+    """Write the configuration reference (docs/configuration.md) from the schema.
+
+    Every key with its type, default, accepted values, the paper's value and what it is for."""
     from stages.common import artifacts
     from stages.common import config_docs as docs
 
