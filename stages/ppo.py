@@ -38,8 +38,9 @@ run; ``rollout.groups`` and ``ppo.mini_batch`` must split evenly over the N rank
 launcher needs ZeRO (``ppo.zero_stage`` 1-3). In each step:
 
 * rank r plays its contiguous block of groups (``groups / N``, a group never split) on its own
-  rollout engine; ranks play the same episodes a single process would when
-  ``rollout.batch_size`` divides a rank's episodes (``groups / N x group_size``), since the
+  rollout engine, on its own GPU; ranks play the same episodes a single process would with vLLM,
+  which samples each episode from its own seed, and with the hf backend when
+  ``rollout.batch_size`` divides a rank's episodes (``groups / N x group_size``), since its
   sampler is seeded per wave (`stages.agent.proxy`); otherwise the waves, and so the draws, differ;
 * every episode's score and group are gathered, so every rank's filter keeps the groups one
   process would keep; the kept episodes are gathered on every rank (a few MB of token ids);
@@ -626,7 +627,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
     distributed.barrier(dist)
     _announce(config, models, step, saved is not None, console)
     backend = make_backend(config.model, config.rollout, prompt_mode=ppo.prompt_mode, model=models.generator,
-                           tokenizer=tokenizer)
+                           tokenizer=tokenizer, colocated=True)
     if saved is not None:
         push_weights(models, backend, config)  # the engine loaded model.name's weights, not the restored ones
         torch.set_rng_state(rng)  # after the engine, which reseeds the process's generators

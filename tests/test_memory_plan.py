@@ -255,8 +255,7 @@ def test_vllm_refuses_a_share_the_gpu_has_not_free_even_with_kv_cache_gb(monkeyp
 
     from stages.agent.backends import vllm
 
-    monkeypatch.setattr(vllm, "_free_bytes", lambda device: 30 * GiB)  # a trainer holds the rest of 80
-    monkeypatch.setattr(vllm, "_total_bytes", lambda device: 80 * GiB)
+    monkeypatch.setattr(vllm, "_memory", lambda device: (30 * GiB, 80 * GiB))  # a trainer holds the rest of 80
     path = str(SHIPPED_CONFIGS / "Qwen--Qwen2.5-1.5B-Instruct")
     with pytest.raises(UserError, match=r"^rollout\.gpu_memory_utilization=0\.6 asks vLLM for 48\.0 GiB but 30\.0 "
                                         r"GiB of the GPU are free .*rollout\.kv_cache_gb or not\); lower it$"):

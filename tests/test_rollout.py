@@ -18,6 +18,7 @@ from stages.agent.proxy import RolloutMeter, play
 from stages.agent.states import StateReward
 from stages.common.config import SPAConfig, load_config
 from stages.common.errors import UserError
+from stages.common.seeds import stable_seed
 
 # ---- a tiny game ---------------------------------------------------------------------------------
 
@@ -93,7 +94,7 @@ def wm(answer: str, thoughts: str = "go") -> str:
 
 
 class ScriptedBackend:
-    """Returns fixed texts per (episode id, turn); records every prompt and every release."""
+    """Returns fixed texts per (episode id, turn); records every prompt, request seed and release."""
 
     name = "scripted"
 
@@ -101,6 +102,7 @@ class ScriptedBackend:
         self.script, self.tokenizer, self.eos_turns = script, tokenizer, eos_turns
         self.prompts: dict[tuple[str, int], list[int]] = {}
         self.completions: dict[tuple[str, int], list[int]] = {}
+        self.seeds: dict[tuple[str, int], int] = {}
         self.released: list[str] = []
         self.batches: list[int] = []
         self.params = []
@@ -112,6 +114,7 @@ class ScriptedBackend:
         for request in requests:
             turn = sum(1 for key, _ in self.prompts if key == request.key) + 1
             self.prompts[(request.key, turn)] = list(request.prompt_ids)
+            self.seeds[(request.key, turn)] = request.seed
             text = self.script[request.key][turn - 1]
             if self.tokenizer is None:
                 out.append(Completion(token_ids=[], text=text))
@@ -330,6 +333,30 @@ def test_waves_of_batch_size(corridor):
     _, backend = run_script(batch_size=3)
     # wave 1: 10-0 and 10-1 play 3 turns, 11-0 plays 2; wave 2: 11-1 plays 2
     assert backend.batches == [3, 3, 2, 1, 1]
+
+
+def test_a_backend_that_holds_more_episodes_plays_waves_of_its_concurrency(corridor):
+    """A vLLM engine plays as many episodes at once as its KV cache holds, whatever batch_size."""
+    backend = ScriptedBackend(SCRIPT)
+    backend.concurrency = 3
+    play_with(make_config(batch_size=1), backend, [10, 11], 2)
+    assert backend.batches == [3, 3, 2, 1, 1]
+    backend = ScriptedBackend(SCRIPT)
+    backend.concurrency = 8
+    play_with(make_config(batch_size=1), backend, [10, 11], 2)
+    assert backend.batches == [4, 4, 2]  # one wave: 11-0 and 11-1 end after turn 2
+
+
+def test_each_request_has_a_seed_of_its_episode_and_turn_whatever_the_waves(corridor):
+    seeds = []
+    for batch_size in (1, 3, 4):
+        _, backend = run_script(batch_size=batch_size)
+        seeds.append(backend.seeds)
+    assert seeds[0] == seeds[1] == seeds[2]
+    assert len(set(seeds[0].values())) == len(seeds[0]) == 10  # a seed per episode and turn
+    assert seeds[0][("corridor-10-1", 2)] == stable_seed(0, "corridor-10-1-2", bits=31)
+    _, other = run_script(batch_size=4, sample_seed=1)
+    assert set(other.seeds.values()).isdisjoint(seeds[0].values())
 
 
 @pytest.mark.parametrize("key,value", [("max_turns", 0), ("max_actions_per_turn", 0), ("batch_size", 0),

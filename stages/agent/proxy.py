@@ -13,9 +13,14 @@ share. The loop is split the way RAGEN splits it:
 
 Choices and simplifications compared with SPA/RAGEN:
 
-* Episodes run in waves of `rollout.batch_size` (every episode of a wave goes to the backend in one
-  call per turn). RAGEN runs all envs at once; waves bound the memory of the HF backend's per-episode
-  caches and let `spa generate` write finished episodes early, so a kill loses at most one wave.
+* Episodes run in waves (every episode of a wave goes to the backend in one call per turn) of
+  `rollout.batch_size`, or of as many as a vLLM engine's KV cache holds (`wave_size`). RAGEN runs
+  all envs at once; waves bound the memory of the HF backend's per-episode caches and let `spa
+  generate` write finished episodes early, so a kill loses at most one wave.
+* Sampling seeds: each backend call gets a seed (from `rollout.sample_seed`, the wave's first
+  episode and the turn), which the hf backend draws its whole batch from; each request gets one of
+  its own (from `rollout.sample_seed`, its episode and the turn), which vLLM draws that request
+  from alone, so that its episodes do not depend on how they are cut into waves.
 * The stored `messages` end with the last assistant message: the final "Reward:" message of
   RAGEN's history is never shown to the model, so it is not part of the chat it saw.
 * The turn-level `reward` is the env's reward only; the format penalty is kept apart (per turn in
@@ -82,17 +87,18 @@ class AgentProxy:
         live, turn = list(episodes), 0
         while live:
             turn += 1
-            self._play_turn(live, f"{episodes[0].id}-{turn}", env_manager, context)
+            self._play_turn(live, episodes[0].id, turn, env_manager, context)
             live = self._retire(live, env_manager, context)
 
-    def _play_turn(self, live: list[Episode], call: str, env_manager: EnvStateManager,
+    def _play_turn(self, live: list[Episode], wave: str, turn: int, env_manager: EnvStateManager,
                    context: ContextManager) -> None:
         """One backend call for all live episodes, then each episode's turn."""
         prompt_ids = [context.prompt_ids(episode) for episode in live]
-        requests = [GenerationRequest(episode.id, ids, env_manager.game(episode).env)
+        requests = [GenerationRequest(episode.id, ids, env_manager.game(episode).env, self._seed(episode.id, turn))
                     for episode, ids in zip(live, prompt_ids)]
         progress = self.meter.generated if self.meter is not None else None
-        completions = self.backend.generate(requests, self._sampling_params(call), progress=progress)
+        params = self._sampling_params(self._seed(wave, turn))
+        completions = self.backend.generate(requests, params, progress=progress)
         if len(completions) != len(requests):
             raise RuntimeError(f"backend {self.backend.name} returned {len(completions)} completions "
                                f"for {len(requests)} requests")
@@ -144,10 +150,12 @@ class AgentProxy:
             episode.total_reward = (sum(turn.reward + turn.state_reward for turn in episode.turns)
                                     + episode.format_penalty)
 
-    def _sampling_params(self, call: str) -> SamplingParams:
-        # A reproducible seed per backend call, named by the wave's first episode and the turn: one
-        # fixed seed would correlate turns and waves, and PPO's fresh puzzles get fresh samples.
-        seed = stable_seed(self.rollout.sample_seed, call, bits=31)
+    def _seed(self, episode_id: str, turn: int) -> int:
+        """A reproducible seed named by an episode (a call's: its wave's first) and the turn: one
+        fixed seed would correlate turns and waves, and PPO's fresh puzzles get fresh samples."""
+        return stable_seed(self.rollout.sample_seed, f"{episode_id}-{turn}", bits=31)
+
+    def _sampling_params(self, seed: int) -> SamplingParams:
         rollout = self.rollout
         return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                               top_p=rollout.top_p, stop=STOP_STRINGS, seed=seed)
@@ -179,7 +187,7 @@ def play(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: Iterable[i
     if meter is not None:
         meter.plan(len(episodes), rollout.max_turns)
     proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, state_reward, on_episode, meter)
-    for wave in waves(episodes, rollout.batch_size):
+    for wave in waves(episodes, wave_size(backend, rollout)):
         proxy.play_wave(wave)
     return episodes
 
@@ -195,9 +203,10 @@ def play_shared(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: lis
     for every one of them, rank by rank, and every rank returns all episodes in seed, sample order.
     Each rank's `meter` counts the episodes that rank plays.
 
-    The episodes are those one process plays with the same seeds when `rollout.batch_size` cuts
-    each rank's block into the same waves as the whole list (it divides the episodes of every
-    block but the last); only their order of finishing differs. With one process this is `play`.
+    The episodes are those one process plays with the same seeds when the backend samples each
+    request apart (vllm), or when `rollout.batch_size` cuts each rank's block into the same waves
+    as the whole list (it divides the episodes of every block but the last); only their order of
+    finishing differs. With one process this is `play`.
     """
     modes = {"prompt_mode": prompt_mode, "render_mode": render_mode}
     if dist.world == 1:
@@ -208,7 +217,7 @@ def play_shared(env: EnvConfig, rollout: RolloutConfig, backend: Any, seeds: lis
     own = [e for e in everything if e.group in block]
     if meter is not None:
         meter.plan(len(own), rollout.max_turns)
-    mine = waves(own, rollout.batch_size)
+    mine = waves(own, wave_size(backend, rollout))
     finished: list[Episode] = []
     proxy = AgentProxy(env, rollout, backend, prompt_mode, render_mode, None, finished.append, meter)
     played: list[Episode] = []
@@ -235,6 +244,12 @@ def planned_episodes(env: EnvConfig, backend: Any, seeds: Iterable[int], group_s
         for group, seed in enumerate(seeds) for sample in range(group_size)
         if episode_id(env.name, seed, sample) not in skip_ids
     ]
+
+
+def wave_size(backend: Any, rollout: RolloutConfig) -> int:
+    """The episodes played together: as many as a vLLM engine holds at once (its `concurrency`),
+    else `rollout.batch_size`."""
+    return getattr(backend, "concurrency", None) or rollout.batch_size
 
 
 def waves(episodes: list[Episode], batch_size: int) -> list[list[Episode]]:

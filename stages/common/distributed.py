@@ -88,6 +88,21 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
+def rank_device(device: str) -> str:
+    """This process's device: on CUDA the GPU of its local rank (``LOCAL_RANK``, 0 without a
+    launcher), which also becomes torch's current device. Whatever touches CUDA first in a rank
+    (a memory query, a model load) must come after this: CUDA opens a context, ~0.5 GiB held for
+    the whole run, on the current device, which is GPU 0 until it is set. Other devices are
+    returned as they are."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    local_rank = _env_int("LOCAL_RANK", 0)
+    torch.cuda.set_device(local_rank)
+    return f"cuda:{local_rank}"
+
+
 def require_one_process(command: str, how: str) -> None:
     """Refuse to run `command` as one of several launched processes (they would all write the
     same files); `how` says what to do instead."""
@@ -135,9 +150,7 @@ def start(device: str, config: dict[str, Any], need_group: bool = False) -> Dist
     rank, local_rank = launched_rank(), _env_int("LOCAL_RANK", 0)
     if rank >= world:
         raise UserError(f"RANK is {rank} but WORLD_SIZE is {world}; start spa through torchrun or deepspeed")
-    if device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        device = f"cuda:{local_rank}"
+    device = rank_device(device)
     if torch.distributed.is_initialized():  # a second stage in the same process (tests, notebooks)
         return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
     store = _rendezvous(rank, world, config)

@@ -59,6 +59,28 @@ def test_the_engine_runs_where_vllm_found_its_device(engine, vllm_device):
     assert engine.device == vllm_device and engine.max_model_len >= 4096
 
 
+def test_the_engine_plays_as_many_episodes_at_once_as_its_kv_cache_holds(engine, vllm_device):
+    """On a CPU the automatic KV cache holds rollout.batch_size (16) conversations of 4096 tokens;
+    on a GPU its size is vLLM's (what gpu_memory_utilization leaves), read after the start."""
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    if vllm_device == "cpu":
+        assert engine.concurrency == scheduler.max_num_seqs == 16
+    else:
+        assert 1 <= engine.concurrency <= scheduler.max_num_seqs
+
+
+def test_the_same_episodes_whatever_the_engines_concurrency(engine, monkeypatch):
+    """Each request samples from its own seed: waves of 2 or one wave of 6 play the same episodes,
+    which is what makes a launched run's ranks play one process's episodes."""
+    config = rollout_config()
+    played = []
+    for concurrency in (2, 6):
+        monkeypatch.setattr(engine, "concurrency", concurrency)
+        played.append(play(config.env, config.rollout, engine, [400, 401, 402], 2, **MODES))
+    assert [e.token_ids for e in played[0]] == [e.token_ids for e in played[1]]
+    assert len({tuple(e.token_ids) for e in played[1]}) == 6  # sampled: every episode differs
+
+
 def test_greedy_episodes_equal_the_hf_backends_token_for_token(engine, hf_backend):
     """Two turns of Sokoban at temperature 0: the same completions, hence the same games and the
     same token sequences (prompt, completion, environment reply, next completion)."""
@@ -138,15 +160,20 @@ def test_each_turn_extends_the_last_prompt_with_the_sampled_tokens(engine, token
             assert episode.token_ids[start:end] == turn.token_ids and episode.logprobs[start:end] == turn.logprobs
 
 
-def test_sampling_is_reproducible_per_seed_and_leaves_the_callers_generators_alone(engine, tokenizer):
-    requests = [GenerationRequest(f"k{i}", chat_ids(tokenizer, "Tell me a story.")) for i in range(4)]
-    params = SamplingParams(max_new_tokens=16, temperature=1.0, stop=(), seed=7)
+def test_each_request_samples_from_its_own_seed_and_leaves_the_callers_generators_alone(engine, tokenizer):
+    prompt = chat_ids(tokenizer, "Tell me a story.")
+    requests = [GenerationRequest(f"k{i}", prompt, seed=i) for i in range(4)]
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, stop=())
     torch.manual_seed(123)
     random.seed(5)
     torch_state, python_state = torch.get_rng_state(), random.getstate()
-    first = engine.generate(requests, params)
+    first = [c.token_ids for c in engine.generate(requests, params)]
     assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state
-    assert [c.token_ids for c in engine.generate(requests, params)] == [c.token_ids for c in first]
-    assert len({tuple(c.token_ids) for c in first}) > 1  # one prompt, four different samples
-    other = engine.generate(requests, dataclasses.replace(params, seed=8))
-    assert [c.token_ids for c in other] != [c.token_ids for c in first]
+    assert len({tuple(ids) for ids in first}) == 4  # one prompt, four seeds, four samples
+    assert [c.token_ids for c in engine.generate(requests, dataclasses.replace(params, seed=8))] == first
+    # a request's sample is its own: alone, or reversed among others in a larger call
+    assert [engine.generate([r], params)[0].token_ids for r in requests[:2]] == first[:2]
+    other = GenerationRequest("other", chat_ids(tokenizer, "Count to ten."), seed=9)
+    assert [c.token_ids for c in engine.generate([other, *requests[::-1]], params)][1:] == first[::-1]
+    reseeded = [dataclasses.replace(r, seed=r.seed + 10) for r in requests]
+    assert [c.token_ids for c in engine.generate(reseeded, params)] != first

@@ -1,6 +1,7 @@
 """PPO's rollouts on vLLM: the engine samples the weights the trainer has, after every update and
-after a resume; weights go in by name and a push that misses some is an error; on a GPU the
-engine sleeps during the update. A tiny random Llama that vLLM's CPU kernels take."""
+after a resume; weights go in by name, one layer's worth at a time, and a push that misses some is
+an error; on a GPU the engine sleeps during the update. A tiny random Llama that vLLM's CPU
+kernels take."""
 
 from __future__ import annotations
 
@@ -24,6 +25,26 @@ def vllm_config(model_dir, out, *extra):
     return tiny_config(model_dir, out, "rollout.backend=vllm", "model.dtype=float32", "ppo.actor_lr=1e-2", *extra)
 
 
+#: The weights of one decoder layer of the tiny Llama: q, k, v, o, gate, up, down and two norms.
+LAYER_TENSORS = 9
+
+
+def streamed(model, alive: list[int]):
+    """`model`'s weights, each a copy made as it is taken (as a ZeRO-3 trainer gathers them), noting
+    in `alive` how many of the copies handed out are still held when the next one is made."""
+    import gc
+    import weakref
+
+    handed = []
+    for name, param in model.named_parameters():
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in handed))
+        tensor = param.detach().clone()
+        handed.append(weakref.ref(tensor.untyped_storage()))
+        yield name, tensor
+        del tensor
+
+
 def requests() -> list[GenerationRequest]:
     return [GenerationRequest(f"k{i}", [100 + 7 * i + j for j in range(10 + 3 * i)]) for i in range(3)]
 
@@ -38,11 +59,13 @@ def assert_samples(model, tokenizer, outputs) -> None:
 
 @ON_CPU
 def test_pushed_weights_are_the_ones_sampled_and_a_partial_push_is_refused(vllm_tiny_dir, tokenizer):
-    backend = VLLMBackend(str(vllm_tiny_dir), tokenizer, dtype="float32", max_num_seqs=4)
+    backend = VLLMBackend(str(vllm_tiny_dir), tokenizer, dtype="float32", batch_size=4)
     before = backend.generate(requests(), GREEDY)
     assert_samples(lively_model(tokenizer), tokenizer, before)
     updated = lively_model(tokenizer, seed=1)  # new weights, the LM head tied to the embeddings as before
-    backend.load_weights(updated.named_parameters())
+    alive = []
+    backend.load_weights(streamed(updated, alive))
+    assert max(alive) <= LAYER_TENSORS < len(alive)  # a decoder layer's worth at most, never the model
     after = backend.generate(requests(), GREEDY)
     assert_samples(updated, tokenizer, after)
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
@@ -92,7 +115,7 @@ def test_a_resumed_run_samples_the_restored_weights_as_the_uninterrupted_run(two
 @ON_GPU
 def test_on_a_gpu_the_engine_sleeps_during_updates_and_wakes_with_the_new_weights(vllm_tiny_dir, tokenizer):
     backend = VLLMBackend(str(vllm_tiny_dir), tokenizer, dtype="float32", gpu_memory_utilization=0.3,
-                          max_num_seqs=4, sleep_mode=True)
+                          batch_size=4, sleep_mode=True)
     assert backend.sleep_mode and backend.device == "cuda"
     free_awake, total = torch.cuda.mem_get_info()
     backend.sleep()

@@ -33,16 +33,17 @@ BACKENDS = ("hf", "vllm", "random")
 
 
 def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, prompt_mode: str, model=None,
-                 tokenizer=None) -> GenerationBackend:
+                 tokenizer=None, colocated: bool = False) -> GenerationBackend:
     """The backend `rollout.backend` names, for the model `model_config` names, to play with the
     `prompt_mode` prompt (which the random backend writes its responses in).
 
     hf: generates with `model`/`tokenizer` when given (PPO passes its live actor, so rollouts use
     the current weights), else loads them. vllm: loads the model into a vLLM engine (`tokenizer`,
-    if given, is used for the end-of-turn tokens); given a `model` (PPO's actor), the engine shares
-    the device with training: it receives the actor's weights after each update and, on a GPU,
-    sleeps during it. random: needs neither. A bad model name fails here, in one line, before
-    anything loads. Whoever opens a backend closes it (`close`) when done with it.
+    if given, is used for the end-of-turn tokens); `colocated` (PPO) says that it shares the
+    device with a trainer: on a GPU it then sleeps during each update (`sleep`), its memory handed
+    to training, and wakes with the new weights. random: needs neither. A bad model name fails
+    here, in one line, before anything loads. Whoever opens a backend closes it (`close`) when
+    done with it.
     """
     kind = rollout.backend
     if kind not in BACKENDS:
@@ -68,9 +69,9 @@ def make_backend(model_config: ModelConfig, rollout: RolloutConfig, *, prompt_mo
     from stages.agent.backends.vllm import VLLMBackend
 
     return VLLMBackend(path, tokenizer, dtype=model_config.dtype, kv_cache_gb=rollout.kv_cache_gb,
-                       gpu_memory_utilization=rollout.gpu_memory_utilization, max_num_seqs=rollout.batch_size,
+                       gpu_memory_utilization=rollout.gpu_memory_utilization, batch_size=rollout.batch_size,
                        seed=rollout.sample_seed, trust_remote_code=model_config.trust_remote_code,
-                       sleep_mode=model is not None)
+                       sleep_mode=colocated)
 
 
 def backend_device(model_config: ModelConfig, rollout: RolloutConfig) -> str:

@@ -25,6 +25,7 @@ class SamplingParams:
     top_p: float = 1.0
     # Generation stops right after any of these strings is produced (or at EOS / end of turn).
     stop: tuple[str, ...] = ("</answer>",)
+    # The seed of a call's draws, for a backend that samples its batch together (hf).
     seed: int = 0
 
 
@@ -33,6 +34,9 @@ class GenerationRequest:
     key: str  # episode id
     prompt_ids: list[int]  # the whole context, ending with the generation prefix "<think>"
     env: TextGameEnv | None = None  # only the random backend looks at it
+    # The seed of this request's own draws, for a backend that samples each request apart (vllm):
+    # its tokens then do not depend on the other requests of the call.
+    seed: int = 0
 
 
 @dataclass

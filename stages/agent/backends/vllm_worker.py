@@ -10,23 +10,32 @@ vLLM imports this module inside its worker processes: it imports nothing of spa.
 
 from __future__ import annotations
 
-import random
+from collections.abc import Iterable
 from typing import Any
 
 
 class WorkerExtension:
     """Mixed into vLLM's worker class: ``self`` is the worker."""
 
-    def spa_load_weights(self, weights: list[tuple[str, Any]]) -> list[str]:
-        """Load updated weights (Hugging Face parameter names and tensors) into the engine's model
-        through vLLM's own in-place reload (`Worker.reload_weights`: the model's `load_weights`,
-        then the same processing as after a load from disk, which on CPUs repacks the weights for
-        its matmul kernels). Returns the engine parameters that received nothing: [] when every
-        one was loaded.
+    def spa_stage_weights(self, weights: list[tuple[str, Any]]) -> None:
+        """Keep a part of the weights for the next `spa_load_weights(None)` (an engine in another
+        process receives them in parts of bounded size)."""
+        if not hasattr(self, "spa_staged"):
+            self.spa_staged = []
+        self.spa_staged.extend(weights)
+
+    def spa_load_weights(self, weights: Iterable[tuple[str, Any]] | None) -> list[str]:
+        """Load updated weights (Hugging Face parameter names and tensors; None: those staged)
+        into the engine's model through vLLM's own in-place reload (`Worker.reload_weights`: the
+        model's `load_weights`, which takes them one by one and processes each layer once its
+        weights are in, as after a load from disk; on CPUs that repacks the weights for its matmul
+        kernels). Returns the engine parameters that received nothing: [] when every one was loaded.
 
         A layer whose weights are another layer's (a tied LM head) receives no weights of its own,
         so vLLM's reload skips its processing and, on a CPU, its matmul would keep the packed copy
         of the old embeddings; it is processed again here from the updated, shared weights."""
+        if weights is None:
+            weights, self.spa_staged = getattr(self, "spa_staged", []), []
         model = self.model_runner.get_model()
         expected = {name for name, _ in model.named_parameters()}
         tied = _tied_layers(model)
@@ -46,15 +55,6 @@ class WorkerExtension:
         for layer in tied:
             layer.quant_method.process_weights_after_loading(layer)
         return sorted(expected - loaded)
-
-    def spa_reseed(self, seed: int) -> None:
-        """Seed the generators vLLM's sampler draws from (torch's default ones, on CPU and CUDA)."""
-        import numpy
-        import torch
-
-        random.seed(seed)
-        numpy.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
 
 
 def _tied_layers(model) -> list:
