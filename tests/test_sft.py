@@ -484,19 +484,30 @@ def test_deepspeed_bf16_on_cuda_trains_and_saves(stage, data, tiny_dir, tmp_path
     assert model.dtype == torch.bfloat16 and model.model.embed_tokens.weight.abs().sum() > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_bf16_on_cuda_accumulates_gradients_in_fp32(stage, tiny_dir):
-    from stages.common.config import ModelConfig
-    from stages.training import engine as eng
-    from stages.training import trainable
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_bf16_accumulates_micro_batch_gradients_in_fp32(stage, device):
+    """The engine's bf16 config under each ZeRO stage (DeepSpeed's own bf16, as on CUDA; on the CPU
+    through its CPU accelerator): a micro-batch gradient of 1, then 29 of 2**-10. Added in bf16
+    (8 significant bits) each 2**-10 is lost against 1 and the sum stays 1.0; in fp32 it is
+    1 + 29/1024, which ZeRO-1 rounds once to bf16 for its reduction (at most 2**-8 relative)."""
+    from deepspeed.utils import safe_get_full_grad
 
-    model_config = ModelConfig(name=str(tiny_dir), dtype="bfloat16")
-    dist = trainable.start_processes(model_config, stage)
-    model, _, mixed = trainable.load_trainable(model_config, dist, zero_stage=stage, seed=0)
-    engine = trainable.make_engine(model, dist, mixed, stage, eng.OptimSettings(1e-3, (0.9, 0.95), 0.0, 1.0, 10, 0.0))
-    assert engine.engine.get_data_types() == (torch.bfloat16, torch.float32)
+    from stages.training import engine as eng
+
+    dist = eng.setup_distributed(device, use_deepspeed=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 1, bias=False).to(device=dist.device, dtype=torch.bfloat16)
+    config = eng.deepspeed_config(stage, offload=False, grad_clip=0.0, device=dist.device, mixed="bf16")
+    engine = eng.DeepSpeedEngine(model, eng.OptimSettings(0.0, (0.9, 0.999), 0.0, 0.0, 10, 0.0), dist, config)
+    inputs = [torch.ones(1, 256)] + [torch.full((1, 256), 2.0**-10)] * 29  # d(w . x)/dw = x, exactly
+    for index, x in enumerate(inputs):
+        engine.backward(engine(input=x.to(dist.device, torch.bfloat16)).sum(), last=index == len(inputs) - 1)
+    summed = safe_get_full_grad(engine.module.weight).float().cpu()
+    exact = 1 + 29 / 1024
+    assert summed.dtype == torch.float32 and float((summed - exact).abs().max()) <= 2.0**-8 * exact
+    engine.close()
 
 
 @pytest.mark.gpu

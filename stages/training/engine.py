@@ -410,8 +410,11 @@ def deepspeed_config(stage: int, offload: bool, grad_clip: float, device: str, m
     every "auto" value filled from the stage settings.
 
     Memory on one GPU (`world` 1): there is nothing to communicate, so no overlapped communication
-    (its spare buffers) and small buckets. bf16 gradients are accumulated in fp32
-    (``data_types.grad_accum_dtype``; DeepSpeed would otherwise accumulate in the model's bf16)."""
+    (its spare buffers) and small buckets. bf16 micro-batch gradients are summed in fp32
+    (``data_types.grad_accum_dtype``; DeepSpeed would otherwise sum them in the model's bf16, where
+    PPO's ~30 micro-batches a step lose their low bits): ZeRO-1 in its BF16_Optimizer's fp32
+    gradients, ZeRO-2 in an fp32 gradient partition (DeepSpeed >= 0.19.8, pyproject's floor), ZeRO-3
+    in its fp32 partitions."""
     source = Path(path) if path else DEEPSPEED_DIR / ("zero3.json" if stage == 3 else "zero2.json")
     try:
         config = json.loads(source.read_text(encoding="utf-8"))
