@@ -16,7 +16,7 @@ VLLM_CPU_EXTRAS := torchvision torchaudio torchcodec
 # The venv (~3.5 GB with vLLM), the converted bundled model (~0.5 GB) and a demo run, with room to spare.
 NEEDED_MB := 5000
 
-.PHONY: install test test-slow demo repro-cpu bench lint clean
+.PHONY: install test test-slow demo repro-cpu bench gpu-check lint clean
 
 install: $(STAMP)
 
@@ -74,6 +74,13 @@ repro-cpu: install
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/run_all.py
+
+# Every stage on one GPU in minutes, without the network or the hub (bench/gpu_check.py): a random
+# Qwen2.5-1.5B from the shipped config.json; prints each stage's peak GPU memory, tokens/s and spa
+# plan's prediction as JSON. It needs spa and its dependencies in $(PYTHON) with CUDA torch, not this
+# Makefile's CPU venv (docs/gpu.md: installing them on a machine without the network).
+gpu-check:
+	$(PYTHON) bench/gpu_check.py
 
 lint: install
 	$(BIN)/ruff check spa_cli stages envs tests bench examples experiments

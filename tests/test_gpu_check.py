@@ -1,0 +1,65 @@
+"""`make gpu-check` (bench/gpu_check.py) on the CPU: without CUDA it refuses in one line; with
+``--device cpu --tiny`` every stage runs on a 2-layer Qwen2 built from the shipped config.json,
+and the JSON holds what a GPU run would report, the memory as the CPU's peak RSS."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def gpu_check(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=NO_GPU, capture_output=True, text=True,
+                          timeout=1200, check=False)
+
+
+def test_without_cuda_the_check_refuses_in_one_line(tmp_path):
+    result = gpu_check(cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: the GPU check needs a CUDA GPU")
+    assert "--device cpu --tiny" in result.stderr
+    unknown = gpu_check("--device", "cpu", "--only", "sft_zero4", cwd=tmp_path)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: --only names no stage sft_zero4;")
+
+
+def test_every_stage_runs_on_the_cpu_with_a_tiny_model(tmp_path):
+    result = gpu_check("--device", "cpu", "--tiny", "--work", str(tmp_path / "work"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["machine"]["device"] == "cpu" and report["model"] == "Qwen/Qwen2.5-1.5B-Instruct (tiny)"
+    stages = report["stages"]
+    assert list(stages) == ["generate_hf", "generate_vllm", "sft_zero2", "sft_zero3", "ppo", "eval"]
+    with_vllm = importlib.util.find_spec("vllm") is not None
+    if not with_vllm:
+        assert stages.pop("generate_vllm") == {"ok": False, "skipped": "vLLM is not installed"}
+    assert all(stage["ok"] and stage["seconds"] > 0 and stage["memory"]["peak_rss_gib"] > 0
+               for stage in stages.values()), stages
+    assert stages["ppo"]["backend"] == stages["eval"]["backend"] == ("vllm" if with_vllm else "hf")
+    assert stages["generate_hf"]["episodes"] == 4 and stages["generate_hf"]["tokens_per_s"] > 0
+    assert stages["sft_zero2"]["steps"] == stages["sft_zero3"]["steps"] == 2
+    assert stages["ppo"]["steps"] == 2 and all(diff < 1e-3 for diff in stages["ppo"]["logp_diff"])
+    for name, stage in stages.items():  # spa plan's prediction beside each
+        assert stage["plan"]["total_gib"] > 0 and stage["plan"]["fits"], name
+    assert 0 <= stages["eval"]["pass@1"] <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_check_runs_on_a_gpu(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--work", str(tmp_path / "work")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=3600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stages = json.loads(result.stdout)["stages"]
+    ran = [stage for stage in stages.values() if not stage.get("skipped")]
+    assert all(stage["ok"] and stage["memory"]["max_memory_allocated_gib"] > 0 and stage["plan"]["fits"]
+               for stage in ran), stages
