@@ -9,7 +9,8 @@ makes them), each loss a sum over its trained tokens divided by the trained toke
 (spa's normalisation). The same bf16 gradients are summed three ways: in bf16, in fp32, and in fp64
 (the reference). Prints one JSON object: the relative error ||sum - reference|| / ||reference||
 over all parameters after 1, 2, 4, ... micro-batches for bf16 and fp32, the largest per-tensor
-relative error at the end, and the rows' token counts (rows are cut to `--max-length`).
+relative error at the end, and the rows' token counts (rows are cut to `--max-length`), on one line
+(bench/run_all.py reads the last).
 
     python bench/bench_grad_accum.py [--micro-batches 30] [--max-length 1024]
 """
@@ -94,7 +95,7 @@ def main() -> int:
         "trained_tokens": total,
         "relative_error_of_the_sum": errors,
         "largest_tensor_relative_error": worst,
-    }, indent=1))
+    }))
     return 0
 
 
