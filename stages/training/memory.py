@@ -12,19 +12,21 @@ compare them):
     plain torch (0)      4                  4                     8           -      -
     ZeRO-1               2                  4, all of them        12/N        -      -
     ZeRO-1 + offload     2                  2, all of them        -           -      16/N
-    ZeRO-2               2                  2/N                   12/N        4/N    -
+    ZeRO-2               2                  4/N                   12/N        -      -
     ZeRO-2 + offload     2                  -                     -           -      16/N
     ZeRO-3               2/N + gathered     4/N, kept             12/N        -      -
     ZeRO-3 + offload     gathered           -                     -           -      18/N
 
-"optimizer" is the fp32 master weights and AdamW's two moments (4 + 8); "step" the fp32 copy of the
-gradient partition ZeRO-2 makes at its optimizer step, when the activations are gone; "gathered" the
-modules ZeRO-3 assembles as it goes (DeepSpeed's figure: 4 bytes x the largest module's
-parameters); CPU the offloaded master weights, moments and fp32 gradients (and ZeRO-3's weights).
+"optimizer" is the fp32 master weights and AdamW's two moments (4 + 8); "step" what exists only at
+the optimizer step, when the activations are gone (an fp32 model's ZeRO-2 copy of its gradient
+partition, 4/N); "gathered" the modules ZeRO-3 assembles as it goes (DeepSpeed's figure: 4 bytes x
+the largest module's parameters); CPU the offloaded master weights, moments and fp32 gradients (and ZeRO-3's weights).
 Plain torch trains fp32 weights under bf16 autocast, whose bf16 copies of the weights (2 bytes) live
-through the backward. With bf16 weights ZeRO-1 is DeepSpeed's BF16_Optimizer and ZeRO-3 its own
-optimizer, both accumulating gradients in fp32 (the engine's `grad_accum_dtype`); ZeRO-3 allocates
-its gradient partition and its buckets once and keeps them, the others exist during the update only.
+through the backward. With bf16 weights every stage accumulates gradients in fp32 (the engine's
+`grad_accum_dtype`): ZeRO-1 is DeepSpeed's BF16_Optimizer, ZeRO-2 sums into an fp32 partition from
+the first micro-batch to the step (DeepSpeed >= 0.19.8), ZeRO-3 is its own optimizer; ZeRO-3
+allocates its gradient partition and its buckets once and keeps them, the others exist during the
+update only.
 The buckets: the reduce bucket (twice with `overlap_comm`, which the engine turns on with several
 GPUs), in fp32 under ZeRO-1, and ZeRO-3's prefetch bucket. An fp32 model has 4-byte weights and
 gradients where the table says 2.
@@ -129,10 +131,11 @@ def model_states(params: int, gpus: int, zero: dict | None, weight_bytes: int = 
         return Holding(weights, 4 * params, shard(12))
     reduced = 4 if stage == 1 else w  # ZeRO-1 reduces in fp32, ZeRO-2 in the weights' precision
     buckets = reduced * int(zero["reduce_bucket_size"]) * (2 if zero.get("overlap_comm") else 1)
-    gradients = w * params if stage == 1 else (0 if offload else shard(w))
+    gradients = w * params if stage == 1 else (0 if offload else shard(4))
     if offload:
         return Holding(weights, gradients, buckets=buckets, cpu=shard(16))
-    return Holding(weights, gradients, shard(12), shard(4), buckets)
+    # bf16 weights: the fp32 partition is the step's input; fp32 weights: the step copies it once more
+    return Holding(weights, gradients, shard(12), shard(4) if w == 4 else 0, buckets)
 
 
 def layer_bytes(shape: ModelShape, act_bytes: int = 2) -> int:
