@@ -4,6 +4,7 @@ differences, skipping completed stages, rerunning what a changed setting touches
 after a crash)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -433,3 +434,10 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
     result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]"))
     assert result["skipped"] == ["generate/selfplay", "clean/selfplay", "sft/spa"]
     assert (run_dir / "eval" / "spa.json").is_file()
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs" / "gpu").glob("*.yaml")),
+                         ids=lambda path: path.name)
+def test_every_gpu_config_plans(path):
+    the_plan = pipeline.plan(load_config(path, ["pipeline.dir=/nonexistent/run"]))
+    assert {row.config.env.name for row in the_plan.rows.values()} == {the_plan.config.env.name}
