@@ -345,7 +345,7 @@ def format_check(trajectory: dict, config: SPAConfig) -> str:
     SPA's tag check), "tags" (SPA's tag check alone) or "none"."""
     options = config.clean
     if options.recipe == "spa":
-        return "tags" if spa_filters(trajectory.get("env", config.env.name)) else "none"
+        return "tags" if spa_filters(trajectory.get("env") or config.env.name) else "none"
     return "strict" if options.filter_format else "none"
 
 

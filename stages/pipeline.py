@@ -103,8 +103,9 @@ SECTIONS = {
     "ppo": ("env", "model", "rollout", "ppo"),
     "eval": ("env", "model", "rollout", "eval"),
 }
-#: What an arm's `set` may change: the settings of its own stages (the game, model and rollout
-#: settings are the pipeline's, so that every arm plays the same game in the same way).
+#: What an arm's `set` may change: the settings of its own stages (the game it is evaluated on, the
+#: model and rollout settings are the pipeline's, so that every arm is measured on the same game in
+#: the same way; `train_env` is how an arm trains on another).
 ARM_SECTIONS = ("generate", "clean", "sft", "ppo", "eval")
 #: Rollout settings that only the random backend reads: part of the fingerprint of its stages alone,
 #: so that changing how the RandSFT data is drawn does not rerun the arms that never read it.
