@@ -88,7 +88,7 @@ from stages.agent.env_manager import make_env
 from stages.agent.parsing import replace_states, well_formed
 from stages.agent.prompts import as_base_prompt
 from stages.common import artifacts, distributed, spa_data
-from stages.common.config import SPAConfig, to_dict
+from stages.common.config import CleanConfig, SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
 
@@ -154,13 +154,19 @@ def check_options(config: SPAConfig) -> None:
         if chosen:
             raise UserError(f"{', '.join(chosen)} needs trajectories from `spa generate`; SPA's released rows "
                             "carry their states already; leave it out for this data")
-    elif options.recipe == "spa" and options.unit != "turn":
-        raise UserError("clean.recipe=spa makes SPA's rows, one per turn split by row; set clean.unit=turn")
+    else:
+        check_recipe(options)
     if Path(options.out).is_dir():
         raise UserError(f"clean.out ({options.out}) is a directory; give a .jsonl file path")
     if Path(options.out).resolve() == Path(options.data).resolve():
         raise UserError(f"clean.out ({options.out}) would overwrite the input; choose another path")
     artifacts.check_writable(options.out)
+
+
+def check_recipe(options: CleanConfig) -> None:
+    """The recipe's own needs (`spa pipeline` checks them before any stage runs)."""
+    if options.recipe == "spa" and options.unit != "turn":
+        raise UserError("clean.recipe=spa makes SPA's rows, one per turn split by row; set clean.unit=turn")
 
 
 @dataclass

@@ -451,6 +451,10 @@ def check_stage(stage: Stage) -> None:
     cfg = stage.config
     if stage.kind == "generate":
         check_modes(cfg.env, cfg.generate.prompt_mode, cfg.generate.render_mode, "generate")
+    elif stage.kind == "clean":
+        from stages.clean import check_recipe
+
+        check_recipe(cfg.clean)
     elif stage.kind == "sft" and stage.upstream is None:
         data = cfg.sft.data
         if not spa_data.is_hub_dataset(data) and not Path(data).is_file():
