@@ -44,13 +44,23 @@ Options (`clean.*`):
 * The train/validation split is by trajectory (`val_fraction`, seeded), so no episode has turns on
   both sides; SPA splits rows, which lets turns of one episode land in both. Output:
   `clean.out` and `artifacts.val_path(clean.out)`.
+* `recipe: spa` replaces the three above by the data recipe of SPA's release, per game (its
+  README and `sft/filter_sft_by_tag.py`): the Sokoban data is raw self-play, every turn trained
+  and nothing de-duplicated; the FrozenLake and Sudoku data (and any other game's here) went
+  through the tag check alone (`parsing.well_formed`, no `format_ok`) and its de-duplication. Rows
+  are SPA's one per turn, and 20% of them, rounded up, are held out by a seeded shuffle of the rows
+  (`train_test_split(test_size=0.2)`; the permutation is ours, not scikit-learn's), so turns of
+  one episode can land on both sides. Those are the rows SPA trained its released checkpoints on;
+  the strict recipe is the default because each of its three steps removes rows that teach the
+  wrong thing (docs/paper.md).
 
 SPA's released data (`wm_train.parquet`, or a hub dataset id; `stages.common.spa_data`) is read
 too: its rows already carry ground-truth states and are one row per turn, so `clean` keeps them as
 turn rows, applies SPA's tag check (`filter_format`; there is no turn record, so no `format_ok`),
 `dedup` and the split (by puzzle: rows whose first user message is the same go together), and
 writes our JSONL; `states`, `random_coordinates` and `success_only` need trajectories and are
-refused.
+refused. Under `recipe: spa` the released rows are taken as they are, with the release's own
+train/validation files.
 
 Rows (what `spa sft` reads)::
 
@@ -65,9 +75,11 @@ The two give the same loss terms; the first is several times cheaper to train on
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +88,7 @@ from stages.agent.env_manager import make_env
 from stages.agent.parsing import replace_states, well_formed
 from stages.agent.prompts import as_base_prompt
 from stages.common import artifacts, distributed, spa_data
-from stages.common.config import SPAConfig, to_dict
+from stages.common.config import CleanConfig, SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
 
@@ -92,8 +104,9 @@ def run(config: SPAConfig) -> dict[str, Any]:
     check_options(config)
     data, spa_val = spa_data.locate(options.data)
     if spa_data.is_parquet(data):
-        rows = spa_data.read_rows(data) + (spa_data.read_rows(spa_val) if spa_val is not None else [])
-        result, bad_lines = clean_spa_rows(rows, config), 0
+        rows, val_rows = spa_data.read_rows(data), spa_data.read_rows(spa_val) if spa_val is not None else []
+        result, bad_lines = clean_spa_rows(rows, val_rows, config), 0
+        rows = rows + val_rows  # a new list: result.train may be the first
     else:
         rows, bad_lines = artifacts.read_jsonl(data, skip_bad=options.skip_bad, required=REQUIRED,
                                                fix="fix or delete that line, or add --skip-bad to skip such lines")
@@ -141,11 +154,19 @@ def check_options(config: SPAConfig) -> None:
         if chosen:
             raise UserError(f"{', '.join(chosen)} needs trajectories from `spa generate`; SPA's released rows "
                             "carry their states already; leave it out for this data")
+    else:
+        check_recipe(options)
     if Path(options.out).is_dir():
         raise UserError(f"clean.out ({options.out}) is a directory; give a .jsonl file path")
     if Path(options.out).resolve() == Path(options.data).resolve():
         raise UserError(f"clean.out ({options.out}) would overwrite the input; choose another path")
     artifacts.check_writable(options.out)
+
+
+def check_recipe(options: CleanConfig) -> None:
+    """The recipe's own needs (`spa pipeline` checks them before any stage runs)."""
+    if options.recipe == "spa" and options.unit != "turn":
+        raise UserError("clean.recipe=spa makes SPA's rows, one per turn split by row; set clean.unit=turn")
 
 
 @dataclass
@@ -179,7 +200,7 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
             dropped_trajectories["not_success"] += 1
             continue
         messages = substitute_states(trajectory, options.states, coordinates)
-        trained = _trained_flags(messages, trajectory, options.filter_format)
+        trained = _trained_flags(messages, trajectory, format_check(trajectory, config))
         if trajectory["id"] in shown_base:
             messages = with_base_prompt(trajectory, messages, config, games)
         if options.unit == "trajectory":
@@ -191,10 +212,13 @@ def clean_trajectories(trajectories: list[dict], config: SPAConfig) -> CleanResu
         else:
             dropped_rows["format"] += sum(not flag for flag in trained)
             rows.extend(turn_rows(trajectory, messages, trained))
-    if options.dedup:
-        rows, duplicates = deduplicate(rows)
-        dropped_rows["duplicate"] += duplicates
-    train, val = split_by_trajectory(rows, options.val_fraction, options.seed)
+    if options.recipe == "spa":
+        rows, dropped_rows["duplicate"] = deduplicate(rows, only=lambda row: spa_filters(row["env"] or config.env.name))
+        train, val = split_rows(rows, SPA_VAL_FRACTION, options.seed)
+    else:
+        if options.dedup:
+            rows, dropped_rows["duplicate"] = deduplicate(rows)
+        train, val = split_by_trajectory(rows, options.val_fraction, options.seed)
     # Malformed turns kept as context of a trajectory row (in turn rows only the last message trains).
     untrained = 0 if options.unit == "turn" else sum(
         m["role"] == "assistant" and not m["train"] for row in rows for m in row["messages"])
@@ -224,11 +248,15 @@ def with_base_prompt(trajectory: dict, messages: list[dict], config: SPAConfig, 
     return rewritten
 
 
-def clean_spa_rows(rows: list[dict], config: SPAConfig) -> CleanResult:
-    """SPA's released rows (one per turn, states already true): its tag check on the trained
-    turn, dedup, and a split by puzzle (`source_id`)."""
+def clean_spa_rows(rows: list[dict], val_rows: list[dict], config: SPAConfig) -> CleanResult:
+    """SPA's released rows (one per turn, states already true) and its held-out ones: under the
+    strict recipe its tag check on the trained turn, dedup, and a split of both by puzzle
+    (`source_id`); under `recipe: spa` the two as released."""
     options = config.clean
     dropped_rows: Counter = Counter({"format": 0, "duplicate": 0})
+    if options.recipe == "spa":
+        return CleanResult(rows, val_rows, Counter({"malformed": 0, "not_success": 0}), dropped_rows, 0, "turn")
+    rows = rows + val_rows
     kept = [row for row in rows
             if not options.filter_format or well_formed(row["messages"][-1]["content"], "world_model")]
     dropped_rows["format"] = len(rows) - len(kept)
@@ -306,13 +334,34 @@ class _CoordinateRandomizer:
 # ---- rows ------------------------------------------------------------------------------------------
 
 
-def _trained_flags(messages: list[dict], trajectory: dict, filter_format: bool) -> list[bool]:
-    """One flag per assistant message: does it pass the format filter (always, without the filter):
-    its turn's answer was parsed and executed (`format_ok`) and it passes SPA's tag check."""
+#: The fraction of rows SPA's `generate_sft_data.py` holds out (`train_test_split(test_size=0.2)`).
+SPA_VAL_FRACTION = 0.2
+#: The games whose released SFT data SPA trains on unfiltered (its README: "the Sokoban dataset is
+#: unfiltered"); its FrozenLake and Sudoku data went through `filter_sft_by_tag.py`.
+SPA_UNFILTERED_GAMES = ("sokoban",)
+
+
+def spa_filters(env: str | None) -> bool:
+    """Does SPA's recipe filter (tag check and dedup) this game's data? (Sokoban's variants too.)"""
+    return not str(env).startswith(SPA_UNFILTERED_GAMES)
+
+
+def format_check(trajectory: dict, config: SPAConfig) -> str:
+    """The check a trajectory's turns must pass to be trained: "strict" (parsed and executed, and
+    SPA's tag check), "tags" (SPA's tag check alone) or "none"."""
+    options = config.clean
+    if options.recipe == "spa":
+        return "tags" if spa_filters(trajectory.get("env") or config.env.name) else "none"
+    return "strict" if options.filter_format else "none"
+
+
+def _trained_flags(messages: list[dict], trajectory: dict, check: str) -> list[bool]:
+    """One flag per assistant message: does it pass `check` (`format_check`)."""
     mode = trajectory.get("prompt_mode", "world_model")
     assistants = [m["content"] for m in messages if m["role"] == "assistant"]
     parsed = [turn.get("format_ok") is True for turn in trajectory["turns"]]
-    return [not filter_format or (ok and well_formed(content, mode)) for content, ok in zip(assistants, parsed)]
+    return [check == "none" or ((ok or check == "tags") and well_formed(content, mode))
+            for content, ok in zip(assistants, parsed)]
 
 
 def _row(trajectory: dict, row_id: str, messages: list[dict]) -> dict:
@@ -354,11 +403,15 @@ def turn_rows(trajectory: dict, messages: list[dict], trained: list[bool]) -> li
     return rows
 
 
-def deduplicate(rows: list[dict]) -> tuple[list[dict], int]:
-    """Rows with the same messages (content and loss flags) kept once, the first one."""
+def deduplicate(rows: list[dict], only: Callable[[dict], bool] = lambda row: True) -> tuple[list[dict], int]:
+    """Rows with the same messages (content and loss flags) kept once, the first one; rows for
+    which `only` is false are all kept."""
     seen: set[str] = set()
     kept = []
     for row in rows:
+        if not only(row):
+            kept.append(row)
+            continue
         key = json.dumps(row["messages"], ensure_ascii=False, sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -374,6 +427,16 @@ def split_by_trajectory(rows: list[dict], val_fraction: float, seed: int) -> tup
     train = [row for row in rows if row["source_id"] not in val_sources]
     val = [row for row in rows if row["source_id"] in val_sources]
     return train, val
+
+
+def split_rows(rows: list[dict], val_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """SPA's split: a seeded shuffle of the rows themselves, ceil(val_fraction x n) held out (as
+    scikit-learn's train_test_split rounds); both sides keep the rows' order."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held_out = set(order[:math.ceil(len(rows) * val_fraction)])
+    return ([row for i, row in enumerate(rows) if i not in held_out],
+            [row for i, row in enumerate(rows) if i in held_out])
 
 
 def print_summary(summary: dict[str, Any], console: Console) -> None:

@@ -32,9 +32,16 @@ The self-play data is played by the arm's starting model (`pipeline.data_policy:
 paper), or by random actions (`random`, the bootstrap for a model too weak to write the format, in
 which case spa's data is RandSFT data). A mapping defines an arm from a built-in one (`like`) with
 other settings (`set`: dotted keys of generate, clean, sft, ppo, eval), another starting `model`
-(a checkpoint, e.g. one of SPA's released ones), its SFT data played on another game (`data_env`:
-Easy2Hard and transfer, Fig. 9 and Table 6; PPO and eval play `env`), or an SFT file instead of
-played data (`sft_data`: our JSONL, SPA's parquet, a hub dataset id).
+(a checkpoint, e.g. one of SPA's released ones), another game to train on (`train_env`: its SFT
+data and PPO; the eval still plays the pipeline's `env`, so every row of the table is measured on
+one game, and the arm is tested zero-shot: Table 6), its SFT data alone played on another game
+(`data_env`: Easy2Hard, Fig. 9), or an SFT file instead of played data (`sft_data`: our JSONL,
+SPA's parquet, a hub dataset id).
+
+The paper plays FrozenLake on 6x6 with Qwen2.5-3B and on 4x4 with the smaller models (§3); a
+pipeline whose `env` is the 4x4 `frozen_lake` with a Qwen2.5-3B model is refused unless
+`env.options.size` says the board on purpose (`PAPER_BOARDS`), so that `--set model.name=...` on a
+1.5B config does not silently measure another table.
 
 Stages. Every arm is a chain of stages: generate -> clean -> sft -> ppo -> eval (the ones it has).
 A stage that two arms share (spa_sft and spa share data, cleaning and SFT) runs once: two stages
@@ -96,8 +103,9 @@ SECTIONS = {
     "ppo": ("env", "model", "rollout", "ppo"),
     "eval": ("env", "model", "rollout", "eval"),
 }
-#: What an arm's `set` may change: the settings of its own stages (the game, model and rollout
-#: settings are the pipeline's, so that every arm plays the same game in the same way).
+#: What an arm's `set` may change: the settings of its own stages (the game it is evaluated on, the
+#: model and rollout settings are the pipeline's, so that every arm is measured on the same game in
+#: the same way; `train_env` is how an arm trains on another).
 ARM_SECTIONS = ("generate", "clean", "sft", "ppo", "eval")
 #: Rollout settings that only the random backend reads: part of the fingerprint of its stages alone,
 #: so that changing how the RandSFT data is drawn does not rerun the arms that never read it.
@@ -128,7 +136,11 @@ class Arm:
     model: str = ""
     #: Who plays the SFT data: "" (`pipeline.data_policy`), "model" or "random" (RandSFT).
     data_policy: str = ""
-    #: The game the SFT data is played on ({name, options}); empty: the pipeline's `env`.
+    #: The game the arm trains on ({name, options}): its SFT data and its PPO; empty: the
+    #: pipeline's `env`. The arm is evaluated on the pipeline's `env` whatever it trained on, so a
+    #: table compares every arm on one game (zero-shot transfer when they differ: Table 6).
+    train_env: dict[str, Any] = field(default_factory=dict)
+    #: The game the SFT data is played on ({name, options}); empty: the game the arm trains on.
     data_env: dict[str, Any] = field(default_factory=dict)
     #: SFT on this file (our JSONL rows, SPA's parquet, a hub dataset id) instead of played data.
     sft_data: str = ""
@@ -178,7 +190,8 @@ BUILT_IN = {arm.name: arm for arm in [
         ids={"generate": "selfplay", "clean": "selfplay_unfiltered", "sft": "spa_unfiltered"}),
 ]}
 
-_ARM_KEYS = ("name", "like", "label", "sft", "ppo", "model", "data_policy", "data_env", "sft_data", "set")
+_ARM_KEYS = ("name", "like", "label", "sft", "ppo", "model", "data_policy", "train_env", "data_env", "sft_data",
+             "set")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -231,10 +244,10 @@ def _variant(entry: dict[str, Any], where: str) -> Arm:
             setattr(arm, key, entry[key])
     if arm.data_policy not in ("", "model", "random"):
         raise UserError(f"{where}.data_policy must be one of model, random; got {arm.data_policy!r}")
-    if "data_env" in entry:
-        data_env = entry["data_env"]
-        data_env = {"name": data_env} if isinstance(data_env, str) else data_env
-        arm.data_env = asdict(from_dict(data_env, EnvConfig, f"{where}.data_env."))
+    for key in ("train_env", "data_env"):
+        if key in entry:
+            game = {"name": entry[key]} if isinstance(entry[key], str) else entry[key]
+            setattr(arm, key, asdict(from_dict(game, EnvConfig, f"{where}.{key}.")))
     sets = entry.get("set", {})
     if not isinstance(sets, dict):
         raise UserError(f"{where}.set must be a mapping of dotted settings, e.g. {{sft.epochs: 1}}")
@@ -293,6 +306,9 @@ def resolve(config: SPAConfig, arm: Arm) -> list[Stage]:
             if f"eval.{mode}" not in arm.set:
                 setattr(arm_config.eval, mode, getattr(arm_config.ppo, mode))
     start = arm.model or config.model.name
+    trained_on = copy.deepcopy(arm_config)  # the game of the arm's SFT data and PPO
+    if arm.train_env:
+        trained_on.env = EnvConfig(**copy.deepcopy(arm.train_env))
     chain: list[Stage] = []
 
     def add(kind: str, stage_config: SPAConfig) -> str:
@@ -304,7 +320,7 @@ def resolve(config: SPAConfig, arm: Arm) -> list[Stage]:
     if arm.sft:
         data = arm.sft_data
         if not data:
-            played = copy.deepcopy(arm_config)
+            played = copy.deepcopy(trained_on)
             played.model.name = start
             if arm.data_env:
                 played.env = EnvConfig(**copy.deepcopy(arm.data_env))
@@ -321,7 +337,7 @@ def resolve(config: SPAConfig, arm: Arm) -> list[Stage]:
         tuned.model.name, tuned.sft.data, tuned.sft.val_data, tuned.sft.out = start, data, "", CHAINED
         model = add("sft", tuned)
     if arm.ppo:
-        trained = copy.deepcopy(arm_config)
+        trained = copy.deepcopy(trained_on)
         trained.model.name, trained.ppo.out = model, CHAINED
         model = add("ppo", trained)
     evaluated = copy.deepcopy(arm_config)
@@ -362,10 +378,25 @@ class Plan:
         }
 
 
+#: (game, model family, the game the paper plays with that family): where the paper's board for a
+#: model is not the game's default ("6 x 6 for Qwen2.5-3B to avoid a ceiling effect", §3).
+PAPER_BOARDS = (("frozen_lake", "qwen2.5-3b", "frozen_lake_6x6"),)
+
+
+def check_paper_board(env: EnvConfig, model: str) -> None:
+    """Refuse the default board of a game with a model the paper plays it on another board with."""
+    for game, family, paper_game in PAPER_BOARDS:
+        if env.name == game and family in model.lower() and "size" not in env.options:
+            raise UserError(f"env {game} plays its default board, and the paper plays {model} on {paper_game} (its §3); "
+                            f"--set env.name={paper_game} plays the paper's board, --set env.options.size=N the board you choose")
+
+
 def plan(config: SPAConfig) -> Plan:
     """The run `config` asks for, every arm and stage checked; nothing is run or written."""
     chosen = arms(config)
     check_model_name(config.model.name)
+    for model in {config.model.name, *(arm.model for arm in chosen if arm.model)}:
+        check_paper_board(config.env, model)
     ordered = [a for name in BUILT_IN for a in chosen if a.name == name] + [a for a in chosen if a.name not in BUILT_IN]
     by_key: dict[str, Stage] = {}
     by_id: dict[tuple[str, str], Stage] = {}
@@ -420,6 +451,10 @@ def check_stage(stage: Stage) -> None:
     cfg = stage.config
     if stage.kind == "generate":
         check_modes(cfg.env, cfg.generate.prompt_mode, cfg.generate.render_mode, "generate")
+    elif stage.kind == "clean":
+        from stages.clean import check_recipe
+
+        check_recipe(cfg.clean)
     elif stage.kind == "sft" and stage.upstream is None:
         data = cfg.sft.data
         if not spa_data.is_hub_dataset(data) and not Path(data).is_file():

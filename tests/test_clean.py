@@ -277,3 +277,55 @@ def test_no_rows_kept_names_the_filter_that_dropped_everything(tmp_path, capsys)
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"clean: warning: no rows kept; every line of {config.clean.data} was unreadable and skipped (--skip-bad); "
         "check the file")
+
+
+CHATTY = ("<think> <observation>o</observation> I push right. <prediction>p</prediction> I am sure. "
+          "</think> <answer>Right</answer>")  # passes SPA's tag check, not the rollout's parser
+
+
+def test_spa_recipe_sokoban_trains_every_turn_and_splits_rows(tmp_path):
+    """SPA's Sokoban data is raw self-play: every turn a row, nothing dropped, duplicates kept, and
+    ceil(20%) of the rows held out, turns of one episode on both sides allowed."""
+    config = config_for(tmp_path, [A, B, C, D], unit="turn", recipe="spa")
+    summary = clean.run(config)
+    train, val = read_rows(config.clean.out), read_rows(artifacts.val_path(config.clean.out))
+    assert summary["dropped_rows"] == {"format": 0, "duplicate": 0}
+    assert (len(train), len(val)) == (7, 2)  # 3 + 2 + 1 + 3 turns; ceil(0.2 x 9) = 2
+    every = [f"{t['id']}-turn{k + 1}" for t in (A, B, C, D) for k in range(len(t["turns"]))]
+    assert sorted(r["id"] for r in train + val) == sorted(every)
+    assert [r["id"] for r in train] == [i for i in every if i in {r["id"] for r in train}]  # rows keep their order
+    assert all(r["messages"][-1]["train"] for r in train + val)
+    assert [r for r in train if r["id"] == "sokoban-2-0-turn1"][0]["messages"][-1]["content"] == "Right"
+    # seeded: the same seed the same rows held out, another seed (here) others
+    clean.run(config)
+    assert read_rows(artifacts.val_path(config.clean.out)) == val
+    config.clean.seed = 3
+    clean.run(config)
+    assert read_rows(artifacts.val_path(config.clean.out)) != val
+    # rows split, not episodes: over many seeds some episode has turns on both sides
+    shared = False
+    for seed in range(20):
+        train, val = clean.split_rows([{"source_id": i // 3, "n": i} for i in range(30)], 0.2, seed)
+        assert (len(train), len(val)) == (24, 6)
+        shared |= bool({r["source_id"] for r in train} & {r["source_id"] for r in val})
+    assert shared
+
+
+def test_spa_recipe_filters_other_games_by_the_tag_check_alone(tmp_path):
+    """FrozenLake and Sudoku data went through SPA's filter_sft_by_tag.py: the tag check (which keeps
+    a turn the rollout could not parse, unlike the strict filter) and de-duplication."""
+    def on_frozen_lake(t: dict) -> dict:
+        return {**t, "env": "frozen_lake"}
+    chatty = trajectory("fl-5-0", [(S0, CHATTY, S0), (S0, wm("a", "right", "b", "Right"), S1)], seed=5)
+    games = [on_frozen_lake(t) for t in (A, B, C, D, chatty)]
+    summary = clean.run(config_for(tmp_path, games, unit="turn", recipe="spa"))
+    # A's 3 turns, B's second, chatty's 2; B's first and C dropped; D's 3 duplicates of A's
+    assert summary["dropped_rows"] == {"format": 2, "duplicate": 3} and summary["rows"] == 6
+    strict = clean.run(config_for(tmp_path, games, unit="turn"))
+    assert strict["dropped_rows"] == {"format": 3, "duplicate": 3} and strict["rows"] == 5
+
+
+def test_spa_recipe_needs_turn_rows(tmp_path):
+    with pytest.raises(UserError, match="clean.recipe=spa makes SPA's rows, one per turn split by row; set "
+                                        "clean.unit=turn"):
+        clean.run(config_for(tmp_path, [A], recipe="spa"))

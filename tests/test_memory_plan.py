@@ -393,7 +393,7 @@ def test_a_dry_run_of_the_gpu_recipe_needs_neither_the_network_nor_vllm(no_netwo
     assert result.exit_code == 0, result.output
     assert no_network == []
     verdicts = re.findall(r"memory +(\d+\.\d) GiB per GPU \((\w[\w ]*)\) of 79\.2: fits", result.output)
-    assert len(verdicts) == 13  # every stage of the 7 arms but cleaning
+    assert len(verdicts) == 16  # every stage of the 8 arms but cleaning
 
 
 def test_a_dry_run_names_a_stage_that_would_not_fit(no_network):

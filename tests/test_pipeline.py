@@ -4,6 +4,7 @@ differences, skipping completed stages, rerunning what a changed setting touches
 after a crash)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -191,6 +192,39 @@ def test_transfer_plays_the_sft_data_on_another_game():
     assert stages["ppo/easy2hard"].model.name == f"{R}/sft/easy2hard/final"
 
 
+def test_an_arm_trains_on_its_own_game_and_is_evaluated_on_the_pipelines():
+    """Table 6: SPA trained on Sokoban (data, SFT, PPO) and evaluated zero-shot on FrozenLake, the
+    game of every row of the table."""
+    the_plan = plan_of("base", "{name: from_sokoban, like: spa, train_env: {name: sokoban}}",
+                       "{name: wide, like: spa, train_env: {name: sokoban, options: {dim: 7}}, data_env: sokoban}",
+                       sets=["env.name=frozen_lake"])
+    stages = {stage.name: stage.config for stage in the_plan.stages}
+    assert stages["generate/from_sokoban"].env.name == stages["clean/from_sokoban"].env.name == "sokoban"
+    assert stages["ppo/from_sokoban"].env.name == "sokoban"
+    assert stages["eval/from_sokoban"].env.name == stages["eval/base"].env.name == "frozen_lake"
+    assert stages["eval/from_sokoban"].model.name == f"{R}/ppo/from_sokoban/final"
+    # data_env still names the SFT data's game (here the same data as from_sokoban's, played once)
+    assert "generate/wide" not in stages and "wide" in the_plan.stages[1].arms
+    assert stages["ppo/wide"].env.options == {"dim": 7} and stages["eval/wide"].env.name == "frozen_lake"
+
+
+def test_the_paper_board_of_a_model_is_kept_or_chosen_on_purpose():
+    """The paper plays FrozenLake 6x6 with Qwen2.5-3B: its default 4x4 board with that model is
+    refused; the 6x6 game, an explicit size, or a smaller model pass."""
+    three_b = "model.name=Qwen/Qwen2.5-3B-Instruct"
+    with pytest.raises(UserError) as err:
+        plan_of("base", sets=["env.name=frozen_lake", three_b])
+    assert str(err.value) == (
+        "env frozen_lake plays its default board, and the paper plays Qwen/Qwen2.5-3B-Instruct on frozen_lake_6x6 "
+        "(its §3); --set env.name=frozen_lake_6x6 plays the paper's board, --set env.options.size=N the board "
+        "you choose")
+    with pytest.raises(UserError, match="the paper plays Qwen/Qwen2.5-3B-Instruct on frozen_lake_6x6"):
+        plan_of("{name: b, model: Qwen/Qwen2.5-3B-Instruct}", sets=["env.name=frozen_lake"])
+    for sets in (["env.name=frozen_lake_6x6", three_b], ["env.name=frozen_lake", "env.options.size=4", three_b],
+                 ["env.name=frozen_lake", "model.name=Qwen/Qwen2.5-1.5B-Instruct"], ["env.name=sokoban", three_b]):
+        assert plan_of("base", sets=sets).rows["base"].config.env.name == sets[0].split("=")[1]
+
+
 def test_an_arm_can_start_from_a_checkpoint_or_train_on_a_file(tiny_model_dir, tmp_path):
     data = tmp_path / "wm_train.parquet"
     data.write_bytes(b"")
@@ -214,6 +248,11 @@ def test_an_arm_can_start_from_a_checkpoint_or_train_on_a_file(tiny_model_dir, t
     ("[{name: x, like: spa, set: {eval.seeds: 4}}]", [], "arm x sets eval.seeds; every arm is evaluated"),
     ("[{name: x, model: /no/such/model}]", [], "arm x: model '/no/such/model' is not a built-in name"),
     ("[{name: x, like: base, data_env: frozen_lake}]", [], "arm 'x' has no SFT"),
+    ("[{name: x, like: spa, train_env: {name: sokoban, size: 4}}]", [], "unknown config key 'pipeline.arms[0]"
+     ".train_env.size'"),
+    ("[{name: x, like: spa, train_env: sokobam}]", [], "arm x: unknown env 'sokobam'"),
+    ("[{name: x, like: spa, set: {clean.recipe: spa}}]", [], "arm x: clean.recipe=spa makes SPA's rows, one per "
+     "turn split by row; set clean.unit=turn"),
     ("[vagen]", ["env.name=countdown"], "countdown has no 'coords' render mode (ppo.render_mode)"),
     ("[state_estimation]", ["env.name=countdown"],
      "arm state_estimation: countdown has no 'coords' render mode (eval.render_mode)"),
@@ -397,3 +436,10 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
     result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]"))
     assert result["skipped"] == ["generate/selfplay", "clean/selfplay", "sft/spa"]
     assert (run_dir / "eval" / "spa.json").is_file()
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs" / "gpu").glob("*.yaml")),
+                         ids=lambda path: path.name)
+def test_every_gpu_config_plans(path):
+    the_plan = pipeline.plan(load_config(path, ["pipeline.dir=/nonexistent/run"]))
+    assert {row.config.env.name for row in the_plan.rows.values()} == {the_plan.config.env.name}

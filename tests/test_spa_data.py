@@ -129,3 +129,17 @@ def test_a_hub_dataset_offline_is_one_line(monkeypatch):
     assert str(err.value).startswith("cannot get the dataset 'spa-test/no-such-dataset' from the Hugging Face hub")
     assert "download its wm_train.parquet and pass the file's path" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_spa_recipe_keeps_the_release_and_its_split_as_they_are(spa_files, tmp_path):
+    train, _ = spa_files
+    config = load_config(None, [f"clean.data={train}", f"clean.out={tmp_path / 'sft.jsonl'}", "clean.recipe=spa",
+                                "quiet=true"])
+    summary = clean.run(config)
+    assert (summary["train_rows"], summary["val_rows"]) == (3, 1)
+    assert summary["dropped_rows"] == {"format": 0, "duplicate": 0}
+    train_rows = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    val_rows = [json.loads(line) for line in (tmp_path / "sft.val.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in train_rows] == ["wm_train-0", "wm_train-1", "wm_train-2"]
+    assert [r["id"] for r in val_rows] == ["wm_val-0"]
+    assert train_rows[2]["messages"][-1] == {"role": "assistant", "content": MALFORMED, "train": True}

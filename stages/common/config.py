@@ -220,14 +220,22 @@ class CleanConfig(_Section):
         "assistant turns unchanged, states included). Set it when PPO and the eval use the base prompt and "
         "a small model trained on world-model prompts alone stops writing the format under the base one."),
         paper="0")
+    recipe: Literal["strict", "spa"] = setting("strict", help=(
+        '"strict": spa\'s SFT data: the filter_format check, dedup and a val_fraction split by episode. "spa": the '
+        "data SPA's release trains on, per game: Sokoban's turns unfiltered and not de-duplicated (SPA's "
+        "Sokoban data is raw self-play), the other games' through SPA's tag check alone and de-duplicated; then 20% "
+        "of the rows, not of the episodes, held out. It needs unit turn, and leaves filter_format, dedup and "
+        "val_fraction unread; on SPA's released rows it keeps them and their wm_train/wm_val split as released. "
+        "docs/paper.md says which tables use which."), paper="spa")
     filter_format: bool = setting(True, help=(
         "Drop turns that do not follow the world-model format (SPA's filter_sft_by_tag); the paper's Fig. 8 "
-        "turns it off."), paper="true for FrozenLake and Sudoku, false for Sokoban")
-    dedup: bool = setting(True, help="Drop repeated rows (same prompt and answer).", paper="true")
+        "turns it off. Read by clean.recipe strict."), paper="true for FrozenLake and Sudoku, false for Sokoban")
+    dedup: bool = setting(True, help="Drop repeated rows (same prompt and answer). Read by clean.recipe strict.",
+                          paper="true for FrozenLake and Sudoku, false for Sokoban")
     success_only: bool = setting(False, help="Keep only the episodes that solved their puzzle.", paper="false")
     val_fraction: float = setting(0.1, ge=0, lt=1, help=(
         "Fraction of the episodes held out for SFT's validation loss (split by episode, so no episode's "
-        "turns are on both sides)."), paper="0.2 (split by row)")
+        "turns are on both sides). Read by clean.recipe strict."), paper="0.2 (split by row)")
     seed: int = setting(42, ge=0, help="Seed of the validation split, of base_prompt_fraction's draw and of the random coordinates.",
                         paper="42")
     skip_bad: bool = setting(False, help="Skip (and count) unreadable input lines instead of stopping.")
