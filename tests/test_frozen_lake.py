@@ -20,7 +20,6 @@ from envs.base import EnvError
 from envs.frozen_lake import FrozenLakeEnv
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = Path(os.environ.get("SPA_REFERENCE", "/work/shared/reference/spa_method.md"))
 LEFT, DOWN, RIGHT, UP = range(4)
 
 
@@ -300,25 +299,28 @@ def test_gymnasium_make_and_registry():
         envs.make("frozen_lake", size=1)
 
 
-def test_instruction_texts():
-    env = FrozenLakeEnv()
-    base, world = env.instruction("base"), env.instruction("world_model")
-    assert base.startswith("You are solving the FrozenLake puzzle. Forbid the whole and go to the target.")
-    assert base.endswith("<answer>Left || Up</answer>")
-    assert "bottom-right corner (3, 3)" in world
-    assert "<observation>_O__\nO___\nG___\n__P_</observation>" in world
-    assert "<prediction>_O__\nO___\n√___\n____</prediction>" in world
-    assert world.endswith("<answer> Up || Left || Left </answer>")
+#: SPA's FrozenLake instructions (its config/envs.yaml), quoted exactly, typos included.
+BASE_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to the "
+    "unintended direction due to the slippery ice. Example answer format: <think>To forbid the hole and go "
+    "to the target, I should go left then go up.</think><answer>Left || Up</answer>"
+)
+WORLD_MODEL_INSTRUCTION = (
+    "You are solving the FrozenLake puzzle. You are the player and you need to Forbid the hole and go to the "
+    "target. You are provided with a symbol grid and the zero-indexed coordinates of the player, each hole, "
+    "and each target. Coordinates range from the top-left corner (0, 0) to the bottom-right corner (3, 3). "
+    "When you are exactly next to goal, you can move in the same direction. You cannot move to a hole cause "
+    "you will fall into the hole. The answer should be a sequence of actions, like <answer>Right || Right || "
+    "Up</answer>. A sample full output is as follows: <think> <observation>_O__\nO___\nG___\n__P_"
+    "</observation> Player (3,2); holes at (0,1) and (1,0); goal at (2,0). 1 Up - move to safe ice (2,2). "
+    "2 Left - slide to (2,1), adjacent to goal. 3 Left - reach goal (2,0); player now on G. <prediction>"
+    "_O__\nO___\n\u221a___\n____</prediction> </think> <answer> Up || Left || Left </answer>"
+)
 
 
-@pytest.mark.skipif(not REFERENCE.exists(), reason="reference notes not available")
-def test_instruction_texts_equal_the_reference_quotes():
-    lines = REFERENCE.read_text(encoding="utf-8").splitlines()
-    base = next(line for line in lines if line.startswith("  - **FrozenLake, base**"))
-    world = next(line for line in lines if line.startswith("  - **FrozenLake, world model**"))
-    assert FrozenLakeEnv().instruction("base") == re.search(r'\*\*: "(.*)"$', base).group(1)
-    head, example = re.search(r'\*\*: "(.*?)`(.*)`"$', world).groups()
-    assert FrozenLakeEnv().instruction("world_model") == head + example.replace("\\n", "\n")
+def test_instruction_texts_quote_spa_exactly():
+    assert FrozenLakeEnv().instruction("base") == BASE_INSTRUCTION
+    assert FrozenLakeEnv().instruction("world_model") == WORLD_MODEL_INSTRUCTION
 
 
 def test_from_grid_puts_back_the_position_a_grid_shows():

@@ -20,7 +20,6 @@ from envs.base import EnvError
 from envs.sudoku import SudokuEnv
 
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE = Path(os.environ.get("SPA_REFERENCE", "/work/shared/reference/spa_method.md"))
 
 SOLUTION = [[1, 2, 3, 4], [3, 4, 1, 2], [2, 1, 4, 3], [4, 3, 2, 1]]
 
@@ -286,26 +285,27 @@ def test_gymnasium_make():
     assert len(env.step("1,1,1")) == 5
 
 
-def test_instruction_texts():
-    env = SudokuEnv()
-    base, world = env.instruction("base"), env.instruction("world_model")
-    assert base.startswith("You are solving 4x4 Sudoku. Fill empty cells with digits 1–4.")
-    assert base.endswith("Keep the response under 50 words. Example: <think>Row 1 has one empty cell → "
-                         "place 1. Column 2 then needs 2.</think> <answer>1,3,1 || 3,2,2</answer>")
-    assert "No extra text outside the two tags. Keep the response under 100 words. An example output: " in world
-    assert "| . 1 4 2 \nEmpty positions to be filled are at (1,1)" in world
-    assert "| . 1 4 2\n Empty positions to be filled are at (4,1)</prediction>" in world
-    assert world.endswith("<answer> 1,1,2 || 1,2,3 || 2,3,2 || 3,3,3 || 3,4,1 </answer>.")
+#: SPA's Sudoku instructions (its config/envs.yaml), quoted exactly: the world-model one shares the
+#: base one up to "No extra text outside the two tags.", then allows 100 words and shows a sample.
+SHARED_INSTRUCTION = (
+    "You are solving 4x4 Sudoku. Fill empty cells with digits 1\u20134. Use a 1-indexed grid (rows/cols start "
+    "at 1). A move is exactly: row,col,value (three integers). In one turn you may output multiple moves, "
+    "separated by ||. Only propose moves that keep the row, column, and 2x2 subgrid valid. Always output "
+    "EXACTLY: <think>[brief reasoning]</think> <answer>[r,c,v || r,c,v ...]</answer> No extra text outside "
+    "the two tags."
+)
+BASE_INSTRUCTION = SHARED_INSTRUCTION + (
+    " Keep the response under 50 words. Example: <think>Row 1 has one empty cell \u2192 place 1. Column 2 "
+    "then needs 2.</think> <answer>1,3,1 || 3,2,2</answer>"
+)
+WORLD_MODEL_INSTRUCTION = SHARED_INSTRUCTION + (
+    " Keep the response under 100 words. An example output: <think> <observation>| . . 1 4 | 1 4 . 3 | "
+    "4 2 . . | . 1 4 2 \nEmpty positions to be filled are at (1,1), (1,2), (2,3), (3,3), (3,4), (4,1)"
+    "</observation> <prediction>| 2 3 1 4 | 1 4 2 3 | 4 2 3 1 | . 1 4 2\n Empty positions to be filled are "
+    "at (4,1)</prediction> </think> <answer> 1,1,2 || 1,2,3 || 2,3,2 || 3,3,3 || 3,4,1 </answer>."
+)
 
 
-@pytest.mark.skipif(not REFERENCE.exists(), reason="reference notes not available")
-def test_instruction_texts_equal_the_reference_quotes():
-    lines = REFERENCE.read_text(encoding="utf-8").splitlines()
-    base_line = next(line for line in lines if line.startswith("  - **Sudoku, base**"))
-    world_line = next(line for line in lines if line.startswith("  - **Sudoku, world model**"))
-    base = re.search(r'\*\*: "(.*)"$', base_line).group(1)
-    assert SudokuEnv().instruction("base") == base
-    shared = base[: base.index(" No extra text outside the two tags.")] + " No extra text outside the two tags."
-    tail, example = re.search(r'then "(.*?)`(.*?)`"', world_line).groups()
-    expected = shared + " " + tail.replace("**", "") + example.replace("\\n", "\n")
-    assert SudokuEnv().instruction("world_model") == expected
+def test_instruction_texts_quote_spa_exactly():
+    assert SudokuEnv().instruction("base") == BASE_INSTRUCTION
+    assert SudokuEnv().instruction("world_model") == WORLD_MODEL_INSTRUCTION
