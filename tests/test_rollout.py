@@ -533,8 +533,6 @@ class RandomText:
 
 @pytest.mark.parametrize("name", ["sokoban", "frozen_lake", "sudoku"])
 def test_real_games_invariants(name):
-    if importlib_missing(name):
-        pytest.skip(f"envs/{name}.py is not there yet")
     config = SPAConfig()
     config.env.name = name
     episodes = play_with(config, RandomText(), [7, 8, 9], 3)
@@ -560,13 +558,6 @@ def test_real_games_invariants(name):
         assert len([m for m in episode.messages if m["role"] == "assistant"]) == len(turns)
     # a group plays one puzzle
     assert len({e.turns[0].state for e in episodes if e.seed == 7}) == 1
-
-
-def importlib_missing(name: str) -> bool:
-    import importlib.util
-
-    module = envs.spec(name).entry_point.split(":")[0]
-    return importlib.util.find_spec(module) is None
 
 
 def test_sampling_params_follow_the_config_with_a_seed_per_call(corridor):
