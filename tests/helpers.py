@@ -17,6 +17,13 @@ def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, head
     return LlamaForCausalLM(config)
 
 
+def model_dir(model, tokenizer, path):
+    """`model` with `tokenizer` saved as a Hugging Face directory at `path` (returned)."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def lively_model(tokenizer, seed: int = 0, **size):
     """`tiny_model` (of `size`: layers, hidden, heads) with larger weights: its greedy text depends
     on the context (the default init repeats one token), so cache or position mistakes change the
