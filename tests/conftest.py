@@ -50,12 +50,9 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A 2-layer random Llama with the bundled tokenizer, saved as a Hugging Face directory."""
-    from helpers import tiny_model
+    from helpers import model_dir, tiny_model
 
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return model_dir(tiny_model(tokenizer), tokenizer, tmp_path_factory.mktemp("tiny-model"))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import live_modules, tiny_model
+from helpers import live_modules
 
 from stages import sft
 from stages.common.config import load_config
@@ -30,11 +30,6 @@ from stages.training.sft_data import (
 )
 
 # ---- fixtures ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +76,6 @@ def write_rows(path: Path, n: int, seed: int = 0, turns: int = 2) -> Path:
     rows = [{"id": f"r{i}", "source_id": f"s{i}", "env": "sokoban", "seed": i, "success": True,
              "messages": conversation(rng, turns)} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
     return path
 
 
@@ -259,11 +246,11 @@ def test_epoch_plan_and_micro_batches():
     assert [mb.rows for mb in unpacked] == [[0], [1], [2], [3], [4]]
 
 
-def test_packed_rows_give_the_same_loss_as_separate_rows(tokenizer, tiny_dir):
+def test_packed_rows_give_the_same_loss_as_separate_rows(tokenizer, tiny_model_dir):
     """Restarting position_ids make transformers build a block-diagonal mask on SDPA."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     examples = [tokenize_row(tokenizer, conversation(random.Random(s)), 4096) for s in (1, 2)]
     packed = sft.token_ce_sum(model, collate(examples))
     separate = sum(sft.token_ce_sum(model, collate([e])) for e in examples)
@@ -303,11 +290,11 @@ def test_deepspeed_bf16_accumulates_fp32_and_one_gpu_keeps_no_spare_buffers():
 # ---- training ----------------------------------------------------------------------------------
 
 
-def test_tiny_run_learns_and_its_checkpoint_reloads_and_generates(data, tiny_dir, tmp_path, tokenizer):
+def test_tiny_run_learns_and_its_checkpoint_reloads_and_generates(data, tiny_model_dir, tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "run"
-    result = sft.run(make_config(data, tiny_dir, out, epochs=3))
+    result = sft.run(make_config(data, tiny_model_dir, out, epochs=3))
     seen = losses(out)
     assert len(seen) == 6 and seen[-1] < seen[0] - 0.3
     assert result["complete"] and result["val_loss"] is not None and result["data"]["kept"] == 8
@@ -323,33 +310,33 @@ def test_tiny_run_learns_and_its_checkpoint_reloads_and_generates(data, tiny_dir
                                      return_tensors="pt", return_dict=True)
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] == prompt["input_ids"].shape[1] + 5
-    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
 
 
-def test_resume_reproduces_the_uninterrupted_run(data, tiny_dir, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(data, tiny_model_dir, tmp_path):
     straight = tmp_path / "straight"
-    sft.run(make_config(data, tiny_dir, straight, epochs=2))
+    sft.run(make_config(data, tiny_model_dir, straight, epochs=2))
     out = tmp_path / "resumed"
-    first = sft.run(make_config(data, tiny_dir, out, stop_after_steps=1))  # mid-epoch
+    first = sft.run(make_config(data, tiny_model_dir, out, stop_after_steps=1))  # mid-epoch
     assert first["stopped_early"] and not (out / "final").exists()
     with pytest.raises(UserError, match="--resume"):
-        sft.run(make_config(data, tiny_dir, out))
-    sft.run(make_config(data, tiny_dir, out, resume=True, stop_after_steps=2))  # the epoch boundary
+        sft.run(make_config(data, tiny_model_dir, out))
+    sft.run(make_config(data, tiny_model_dir, out, resume=True, stop_after_steps=2))  # the epoch boundary
     assert (out / "epoch-1").is_dir() and not (out / "epoch-2").exists()
-    done = sft.run(make_config(data, tiny_dir, out, resume=True))
+    done = sft.run(make_config(data, tiny_model_dir, out, resume=True))
     assert done["complete"] and losses(out) == losses(straight)
     for name in ("model.safetensors",):
         assert (out / "final" / name).read_bytes() == (straight / "final" / name).read_bytes()
-    again = sft.run(make_config(data, tiny_dir, out, resume=True))
+    again = sft.run(make_config(data, tiny_model_dir, out, resume=True))
     assert again["already_complete"] and again["final"] == str(out / "final")
     with pytest.raises(UserError, match="sft.lr"):
-        sft.run(make_config(data, tiny_dir, out, resume=True, lr=2e-3))
+        sft.run(make_config(data, tiny_model_dir, out, resume=True, lr=2e-3))
 
 
-def test_a_crash_resumes_from_the_last_periodic_save(data, tiny_dir, tmp_path, monkeypatch):
+def test_a_crash_resumes_from_the_last_periodic_save(data, tiny_model_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
-    sft.run(make_config(data, tiny_dir, straight, epochs=1, global_batch=2))
+    sft.run(make_config(data, tiny_model_dir, straight, epochs=1, global_batch=2))
     real_step = sft._Trainer._train_step
 
     def crash_at_step_4(self, rows, progress):
@@ -360,34 +347,34 @@ def test_a_crash_resumes_from_the_last_periodic_save(data, tiny_dir, tmp_path, m
     monkeypatch.setattr(sft._Trainer, "_train_step", crash_at_step_4)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        sft.run(make_config(data, tiny_dir, out, epochs=1, global_batch=2, save_every_steps=2))
+        sft.run(make_config(data, tiny_model_dir, out, epochs=1, global_batch=2, save_every_steps=2))
     assert len(losses(out)) == 3  # step 3 ran but was never saved
     state = json.loads((out / "trainer_state" / "progress.json").read_text())["progress"]
     assert (state["epoch"], state["step"], state["global_step"]) == (0, 2, 2)
     monkeypatch.setattr(sft._Trainer, "_train_step", real_step)
-    sft.run(make_config(data, tiny_dir, out, epochs=1, global_batch=2, resume=True))
+    sft.run(make_config(data, tiny_model_dir, out, epochs=1, global_batch=2, resume=True))
     assert losses(out) == losses(straight)
 
 
-def test_deepspeed_zero2_matches_plain_torch_and_resumes_exactly(data, tiny_dir, tmp_path):
+def test_deepspeed_zero2_matches_plain_torch_and_resumes_exactly(data, tiny_model_dir, tmp_path):
     torch_run = tmp_path / "torch"
-    sft.run(make_config(data, tiny_dir, torch_run))
+    sft.run(make_config(data, tiny_model_dir, torch_run))
     straight = tmp_path / "ds"
-    sft.run(make_config(data, tiny_dir, straight, zero_stage=2))
+    sft.run(make_config(data, tiny_model_dir, straight, zero_stage=2))
     assert losses(straight) == pytest.approx(losses(torch_run), rel=1e-5)
     out = tmp_path / "ds-resumed"
-    sft.run(make_config(data, tiny_dir, out, zero_stage=2, stop_after_steps=2))
-    sft.run(make_config(data, tiny_dir, out, zero_stage=2, resume=True))
+    sft.run(make_config(data, tiny_model_dir, out, zero_stage=2, stop_after_steps=2))
+    sft.run(make_config(data, tiny_model_dir, out, zero_stage=2, resume=True))
     assert losses(out) == losses(straight)
 
 
-def test_a_finished_run_leaves_no_model_behind(data, tiny_dir, tmp_path):
+def test_a_finished_run_leaves_no_model_behind(data, tiny_model_dir, tmp_path):
     before = live_modules()
-    sft.run(make_config(data, tiny_dir, tmp_path / "run", zero_stage=2))
+    sft.run(make_config(data, tiny_model_dir, tmp_path / "run", zero_stage=2))
     assert live_modules() == before
 
 
-def test_bfloat16_on_the_cpu_trains_fp32_weights_under_autocast(data, tiny_dir, tmp_path):
+def test_bfloat16_on_the_cpu_trains_fp32_weights_under_autocast(data, tiny_model_dir, tmp_path):
     """model.dtype=bfloat16 on the CPU computes in bf16 over fp32 weights, with plain torch and with
     DeepSpeed alike (DeepSpeed's own bf16 mode is used on CUDA only; see stages/engine.py)."""
     from safetensors.torch import load_file
@@ -395,7 +382,7 @@ def test_bfloat16_on_the_cpu_trains_fp32_weights_under_autocast(data, tiny_dir, 
     runs = {}
     for stage in (0, 2):
         out = tmp_path / f"bf16-zero{stage}"
-        config = make_config(data, tiny_dir, out, zero_stage=stage)
+        config = make_config(data, tiny_model_dir, out, zero_stage=stage)
         config.model.dtype = "bfloat16"
         sft.run(config)
         runs[stage] = losses(out)
@@ -403,68 +390,68 @@ def test_bfloat16_on_the_cpu_trains_fp32_weights_under_autocast(data, tiny_dir, 
         assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
     assert runs[2] == pytest.approx(runs[0], rel=1e-5)
     fp32 = tmp_path / "fp32"
-    sft.run(make_config(data, tiny_dir, fp32))
+    sft.run(make_config(data, tiny_model_dir, fp32))
     # the same weights and data: only bf16 rounding tells the runs apart (fp32 runs repeat exactly)
     assert losses(fp32)[0] != runs[0][0]
     assert losses(fp32)[0] == pytest.approx(runs[0][0], rel=1e-3)
 
 
-def test_lora_run_saves_a_merged_plain_checkpoint(data, tiny_dir, tmp_path):
+def test_lora_run_saves_a_merged_plain_checkpoint(data, tiny_model_dir, tmp_path):
     pytest.importorskip("peft")
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "lora"
-    sft.run(make_config(data, tiny_dir, out, epochs=1, lora_rank=4, lora_alpha=8, lr=1e-2))
+    sft.run(make_config(data, tiny_model_dir, out, epochs=1, lora_rank=4, lora_alpha=8, lr=1e-2))
     keys = load_file(out / "final" / "model.safetensors").keys()
     assert not any("lora" in k or "base_layer" in k for k in keys)
     merged = AutoModelForCausalLM.from_pretrained(out / "final")
-    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged.state_dict()[q], base.state_dict()[q])
     embed = "model.embed_tokens.weight"  # not a LoRA target: untouched
     assert torch.equal(merged.state_dict()[embed], base.state_dict()[embed])
 
 
-def test_dry_run_writes_the_trained_spans_and_does_not_train(data, tiny_dir, tmp_path):
+def test_dry_run_writes_the_trained_spans_and_does_not_train(data, tiny_model_dir, tmp_path):
     out = tmp_path / "dry"
-    result = sft.run(make_config(data, tiny_dir, out), dry_run=True)
+    result = sft.run(make_config(data, tiny_model_dir, out), dry_run=True)
     text = Path(result["dry_run"]).read_text()
     assert text.count("[[TRAIN]]") >= 2 and "<|im_end|>[[/TRAIN]]" in text
     assert "[[TRAIN]]<think> <observation>" in text
     assert [p.name for p in out.iterdir()] == ["dry_run.txt"]
-    sft.run(make_config(data, tiny_dir, out, epochs=1, stop_after_steps=1))  # a dry run does not block
+    sft.run(make_config(data, tiny_model_dir, out, epochs=1, stop_after_steps=1))  # a dry run does not block
 
 
 # ---- bad input ---------------------------------------------------------------------------------
 
 
-def test_rows_without_an_assistant_turn_are_an_error(tmp_path, tiny_dir):
+def test_rows_without_an_assistant_turn_are_an_error(tmp_path, tiny_model_dir):
     path = tmp_path / "sft.jsonl"
     path.write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(UserError, match="row 1 has no assistant message"):
-        sft.run(make_config(path, tiny_dir, tmp_path / "out"))
+        sft.run(make_config(path, tiny_model_dir, tmp_path / "out"))
 
 
-def test_an_empty_data_file_is_an_error(tmp_path, tiny_dir):
+def test_an_empty_data_file_is_an_error(tmp_path, tiny_model_dir):
     path = tmp_path / "sft.jsonl"
     path.write_text("")
     with pytest.raises(UserError, match="has no rows"):
-        sft.run(make_config(path, tiny_dir, tmp_path / "out"))
+        sft.run(make_config(path, tiny_model_dir, tmp_path / "out"))
 
 
-def test_a_model_directory_without_a_tokenizer_is_an_error(tmp_path, data, tiny_dir):
+def test_a_model_directory_without_a_tokenizer_is_an_error(tmp_path, data, tiny_model_dir):
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
-        (bare / name).write_bytes((tiny_dir / name).read_bytes())
+        (bare / name).write_bytes((tiny_model_dir / name).read_bytes())
     with pytest.raises(UserError, match="tokenizer"):
         sft.run(make_config(data, bare, tmp_path / "out"))
 
 
-def test_rows_too_long_for_any_loss_are_an_error(tmp_path, data, tiny_dir):
+def test_rows_too_long_for_any_loss_are_an_error(tmp_path, data, tiny_model_dir):
     with pytest.raises(UserError, match="max_length"):
-        sft.run(make_config(data, tiny_dir, tmp_path / "out", max_length=1))
+        sft.run(make_config(data, tiny_model_dir, tmp_path / "out", max_length=1))
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -473,11 +460,11 @@ def test_rows_too_long_for_any_loss_are_an_error(tmp_path, data, tiny_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_bf16_on_cuda_trains_and_saves(stage, data, tiny_dir, tmp_path):
+def test_deepspeed_bf16_on_cuda_trains_and_saves(stage, data, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / f"zero{stage}"
-    result = sft.run(make_config(data, tiny_dir, out, zero_stage=stage, epochs=3))
+    result = sft.run(make_config(data, tiny_model_dir, out, zero_stage=stage, epochs=3))
     seen = losses(out)
     assert result["complete"] and seen[-1] < seen[0] - 0.3
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -512,7 +499,7 @@ def test_deepspeed_bf16_accumulates_micro_batch_gradients_in_fp32(stage, device)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_packed_rows_under_flash_attention_give_the_same_loss_as_separate_rows(tokenizer, tiny_dir):
+def test_packed_rows_under_flash_attention_give_the_same_loss_as_separate_rows(tokenizer, tiny_model_dir):
     """What `spa sft` packs on a GPU: flash-attention 2 reads the restarting position_ids as
     sequence boundaries, so packed rows do not attend to each other."""
     pytest.importorskip("flash_attn")
@@ -521,7 +508,7 @@ def test_packed_rows_under_flash_attention_give_the_same_loss_as_separate_rows(t
     from stages.common.models import pick_attention
 
     assert pick_attention("auto", "cuda", torch.bfloat16) == "flash_attention_2"  # what sft then packs for
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="flash_attention_2",
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="flash_attention_2",
                                                  dtype=torch.bfloat16).cuda()
     examples = [tokenize_row(tokenizer, conversation(random.Random(s)), 4096) for s in (1, 2, 3)]
     with torch.no_grad():
@@ -531,7 +518,7 @@ def test_packed_rows_under_flash_attention_give_the_same_loss_as_separate_rows(t
 
 
 @pytest.mark.slow
-def test_two_processes_under_torchrun_match_one_process(data, tiny_dir, tmp_path):
+def test_two_processes_under_torchrun_match_one_process(data, tiny_model_dir, tmp_path):
     """The multi-GPU logic (rank shares, zero-weight fillers, global token normalisation, rank-0
     saving) on two CPU processes with gloo: packed, uneven micro-batches give the single-process loss."""
     import shutil
@@ -540,14 +527,14 @@ def test_two_processes_under_torchrun_match_one_process(data, tiny_dir, tmp_path
 
     sets = ["sft.epochs=2", "sft.global_batch=3", "sft.lr=1e-3", "sft.warmup_ratio=0"]
     one = tmp_path / "one"
-    sft.run(make_config(data, tiny_dir, one, global_batch=3))
+    sft.run(make_config(data, tiny_model_dir, one, global_batch=3))
     two = tmp_path / "two"
     spa = shutil.which("spa", path=str(Path(sys.executable).parent))
     from stages.common.distributed import free_port
 
     port = str(free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, spa,
-           "sft", "--data", str(data), "--model", str(tiny_dir), "--out", str(two), "-q",
+           "sft", "--data", str(data), "--model", str(tiny_model_dir), "--out", str(two), "-q",
            *[arg for s in [*sets, "sft.packing=true", "sft.micro_batch_tokens=400"] for arg in ("--set", s)]]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     assert losses(two) == pytest.approx(losses(one), rel=1e-6)
@@ -581,7 +568,7 @@ def test_epoch_steps_keep_a_trajectorys_rows_together():
     assert epoch_steps(7, 3, 5, 2, sources=list("abcdefg")) == epoch_steps(7, 3, 5, 2)
 
 
-def test_merged_turn_rows_give_the_same_loss_and_gradients(tokenizer, tiny_dir):
+def test_merged_turn_rows_give_the_same_loss_and_gradients(tokenizer, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from stages.sft import token_ce_sum
@@ -600,7 +587,7 @@ def test_merged_turn_rows_give_the_same_loss_and_gradients(tokenizer, tiny_dir):
     assert [t for t, c in enumerate(host.mask) if c] == sorted(
         t for e in examples if e.source == longest.source for t, c in enumerate(e.mask) if c)
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
 
     def ce_and_grads(units):
         model.zero_grad()
@@ -616,14 +603,14 @@ def test_merged_turn_rows_give_the_same_loss_and_gradients(tokenizer, tiny_dir):
         torch.testing.assert_close(grads_together[name], expected, rtol=1e-4, atol=1e-6 * scale, msg=name)
 
 
-def test_turn_rows_train_in_fewer_computed_tokens(tmp_path, tiny_dir):
+def test_turn_rows_train_in_fewer_computed_tokens(tmp_path, tiny_model_dir):
     rng = random.Random(5)
     rows = [row for i in range(4) for row in turn_rows(rng, f"s{i}", 3)]
     data = tmp_path / "turns.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = sft.run(make_config(data, tiny_dir, tmp_path / "run", epochs=1, global_batch=6))
+    run = sft.run(make_config(data, tiny_model_dir, tmp_path / "run", epochs=1, global_batch=6))
     assert run["complete"]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(m["trained_tokens"] for m in metrics) == sum(
-        e.trained for e in tokenize_rows(rows, load_tokenizer(str(tiny_dir)), 2048)[0])
+        e.trained for e in tokenize_rows(rows, load_tokenizer(str(tiny_model_dir)), 2048)[0])
     assert sum(m["computed_tokens"] for m in metrics) < 0.7 * sum(m["tokens"] for m in metrics)

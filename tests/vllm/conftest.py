@@ -31,7 +31,6 @@ def lively_model(tokenizer, seed: int = 0):
 @pytest.fixture(scope="session")
 def vllm_tiny_dir(tmp_path_factory, tokenizer):
     """`lively_model` saved as a Hugging Face directory, with the bundled tokenizer."""
-    path = tmp_path_factory.mktemp("vllm-tiny")
-    lively_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    from helpers import model_dir
+
+    return model_dir(lively_model(tokenizer), tokenizer, tmp_path_factory.mktemp("vllm-tiny"))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
 from typer.testing import CliRunner
 
 from spa_cli.main import app
@@ -42,14 +41,13 @@ if not torch.cuda.is_available():  # CUDA kernels take this head size
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, tokenizer, vllm_tiny_dir) -> Path:
+def workspace(tmp_path_factory, tiny_model_dir, vllm_tiny_dir) -> Path:
     ws = tmp_path_factory.mktemp("ws")
     alien = ws / "alien"  # vLLM has no such architecture
     shutil.copytree(vllm_tiny_dir, alien)
     config = json.loads((alien / "config.json").read_text())
     (alien / "config.json").write_text(json.dumps({**config, "architectures": ["SpaAlienForCausalLM"]}))
-    tiny_model(tokenizer).save_pretrained(ws / "small-heads")  # the suite's tiny model: head size 16
-    tokenizer.save_pretrained(ws / "small-heads")
+    shutil.copytree(tiny_model_dir, ws / "small-heads")  # the suite's tiny model: head size 16
     return ws
 
 
