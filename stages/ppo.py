@@ -140,6 +140,8 @@ from stages.training.ppo_samples import (
 CONSTANT_LR_STEPS = 2**62
 #: AdamW betas of verl's actor and critic (SPA sets none).
 ADAM_BETAS = (0.9, 0.999)
+#: The metrics of the state reward an episode was paid (a sum over its turns): all, then its two parts.
+STATE_REWARD_METRICS = ("state_reward", "state_reward_observation", "state_reward_prediction")
 #: Settings that may differ between a run and its --resume without changing what is computed.
 RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
                "gradient_checkpointing", "pack_groups", "deepspeed_config"}
@@ -451,7 +453,8 @@ def episode_figures(episode: Any) -> dict[str, Any]:
     """What the filter and the step's metrics need of an episode (all that is gathered of it)."""
     return {"group": episode.group, "score": episode.total_reward, "success": bool(episode.success),
             "format_penalty": episode.format_penalty, "turns": len(episode.turns),
-            "response_length": sum(episode.response_mask), "sequence_length": len(episode.token_ids)}
+            "response_length": sum(episode.response_mask), "sequence_length": len(episode.token_ids),
+            **{key: sum(getattr(turn, key) for turn in episode.turns) for key in STATE_REWARD_METRICS}}
 
 
 def keep_groups(episodes: list[Any], filter_ratio: float, dist: Dist) -> tuple[list[dict], list[Any]]:
@@ -550,9 +553,11 @@ def _forget_validations_after(out: Path, step: int) -> None:
             path.unlink()
 
 
-def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample]) -> dict[str, float]:
-    """What the rollouts did (`figures` of every episode), and how far the trainer's log-probs are
-    from the sampler's."""
+def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
+                  state_reward: bool = False) -> dict[str, float]:
+    """What the rollouts did (`figures` of every episode; with `state_reward`, the state reward an
+    episode was paid, on average, and its two parts), and how far the trainer's log-probs are from
+    the sampler's."""
     n = len(figures)
     stats = {
         "reward": sum(f["score"] for f in figures) / n,
@@ -565,6 +570,8 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample]) -
         "kept_reward": sum(e.total_reward for e in kept) / len(kept),
         "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
+    if state_reward:
+        stats |= {key: sum(f[key] for f in figures) / n for key in STATE_REWARD_METRICS}
     diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples
              if s.sampler_logprobs is not None and s.old_logprobs is not s.sampler_logprobs]  # none: taken from it
     if diffs:
@@ -671,8 +678,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 train_stats = update(models, samples, shares, config, step)
                 push_weights(models, backend, config)
 
-            row = {"step": step, "seed_counter": seed_counter, **rollout_stats(figures, kept, samples),
-                   **train_stats, **timer.seconds}
+            row = {"step": step, "seed_counter": seed_counter,
+                   **rollout_stats(figures, kept, samples, ppo.state_reward != "none"), **train_stats, **timer.seconds}
             update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
             last_step = step == ppo.steps

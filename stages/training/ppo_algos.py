@@ -100,11 +100,11 @@ def bilevel_gae(turn_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Te
                 gamma: float, lam: float, turn_gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn-level GAE, then token-level GAE inside each turn; returns (advantages, returns).
 
-    Definition used here (RAGEN's idea, re-derived):
+    VAGEN's Bi-Level GAE (its ``bi_level_gae`` estimator, which values a turn at its last token):
 
     1. Each turn k ends at its last model token e_k (``turn_ends``), where its reward r_k sits
-       (``turn_rewards``: the turn's env reward plus its format penalty, 0 elsewhere). The turn's
-       value is the critic's value there, ``U_k = V[e_k]``.
+       (``turn_rewards``: the turn's env reward, format penalty and state reward; 0 elsewhere). The
+       turn's value is the critic's value there, ``U_k = V[e_k]``.
     2. Turn level: ``masked_gae`` over the turn ends alone, with ``turn_gamma`` and ``lam``:
        ``D_k = r_k + turn_gamma * U_{k+1} - U_k``, ``Â_k = D_k + turn_gamma * lam * Â_{k+1}``,
        and the turn's return ``G_k = Â_k + U_k``.

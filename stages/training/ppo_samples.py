@@ -46,7 +46,7 @@ class Sample:
     sampled: torch.Tensor  # [S] bool: a token the sampler produced (not env text)
     sampler_logprobs: torch.Tensor | None  # [S] the sampler's log-probs (0 on env text)
     rewards: torch.Tensor  # [S] the score on the last sampled token
-    turn_rewards: torch.Tensor  # [S] each turn's reward + penalty on the turn's last token
+    turn_rewards: torch.Tensor  # [S] each turn's reward + penalty + state reward on the turn's last token
     turn_ends: torch.Tensor  # [S] bool
     score: float
     group: int
@@ -93,13 +93,14 @@ def to_sample(episode: Any, loss_mask: str, system_length: int) -> Sample:
 
 
 def _turn_rewards(episode: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each turn's env reward plus its format penalty, on the step of the turn's last sampled token."""
+    """Each turn's env reward, format penalty and state reward, on the step of the turn's last sampled
+    token: the reward of the turn it judges (VAGEN's turn-level reward). They sum to the score."""
     step_of = {int(p): s for s, p in enumerate(positions)}
     rewards = torch.zeros(len(positions))
     ends = torch.zeros(len(positions), dtype=torch.bool)
     carried = 0.0  # an empty completion's reward goes to the next turn that has tokens
     for turn, (start, end) in zip(episode.turns, episode.turn_spans, strict=True):
-        carried += turn.reward + turn.penalty
+        carried += turn.reward + turn.penalty + turn.state_reward
         if end > start:
             step = step_of[end - 1]
             rewards[step] += carried
