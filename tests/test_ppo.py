@@ -398,10 +398,12 @@ def test_a_finished_run_leaves_no_model_behind(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("advantage, zero_stage", [("grpo", 0), ("bilevel_gae", 2)])
 def test_other_estimators_and_loss_mask_all_run(tiny_model_dir, tmp_path, advantage, zero_stage):
-    """The critic-free and turn-level estimators (the latter with VAGEN's state reward), SPA's
-    released loss mask and the KL term, on DeepSpeed and on the plain torch engine."""
+    """The critic-free and turn-level estimators (the latter with VAGEN's state reward and the
+    per-episode loss weighting), SPA's released loss mask and the KL term, on DeepSpeed and on the
+    plain torch engine."""
     out = tmp_path / "run"
     vagen = ["ppo.state_reward=cells", "ppo.prompt_mode=world_model"] if advantage == "bilevel_gae" else []
+    vagen += ["ppo.loss_agg=seq-mean-token-mean"] if vagen else []  # as SPA's runs weigh episodes
     ppo.run(tiny_config(tiny_model_dir, out, "ppo.steps=1", f"ppo.advantage={advantage}", "ppo.loss_mask=all",
                         "ppo.kl_coef=0.1", f"ppo.zero_stage={zero_stage}", *vagen))
     row = read_metrics(out)[0]

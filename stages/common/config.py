@@ -370,6 +370,12 @@ class PPOConfig(TrainingConfig):
         '"assistant": PPO steps on the model\'s own tokens (the paper); "all": on every token after the '
         "system prompt, environment text included (SPA's released config)."),
         paper="assistant (§2.3); all in SPA's released config")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = setting("token-mean", help=(
+        "How a step's token losses make its loss (verl's loss_agg_mode, over the whole batch whatever the "
+        'micro-batching and ranks): "token-mean" (every token weighs the same), "seq-mean-token-mean" '
+        '(every episode weighs the same: the mean of its token mean), "seq-mean-token-sum" (the mean over '
+        "episodes of their token sums). The actor's and the critic's losses, the entropy and KL terms alike."),
+        paper="seq-mean-token-mean (SPA's runs: verl's token-mean per micro-batch of one episode)")
     pack_groups: bool = setting(True, help=(
         "Compute the first prompt a group's episodes share once per group, in one packed sequence per "
         "group (stages/training/ppo_samples.py): the same losses and gradients, fewer tokens. SDPA/eager "
