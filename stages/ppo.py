@@ -23,8 +23,9 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
 5. **Update**: ``ppo.ppo_epochs`` passes over mini-batches of ``ppo.mini_batch`` episodes, in
    order, one optimizer step per mini-batch for actor and critic (`stages.training.trainable`:
    DeepSpeed ZeRO, or plain torch with ``zero_stage: 0``; AdamW, constant lr, gradient clipping). Micro-batches
-   hold at most ``ppo.micro_batch_tokens`` padded tokens and accumulate gradients; every loss is a
-   token mean over the whole mini-batch, so the micro-batching never changes the objective.
+   hold at most ``ppo.micro_batch_tokens`` padded tokens and accumulate gradients; every loss is
+   the ``ppo.loss_agg`` aggregate of the whole mini-batch (`stages.training.loss_agg`: a token
+   mean by default), so the micro-batching never changes the objective.
 
 Token-in/token-out: the sequences trained are the exact token ids the sampler consumed and
 produced (`Episode.token_ids`), never re-tokenized text. The loss mask (``ppo.loss_mask``) is the

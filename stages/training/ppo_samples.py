@@ -4,7 +4,8 @@ An episode (`stages.agent.episode.Episode`, token-in/token-out) becomes a `Sampl
 ids, the positions that are PPO steps (the loss mask), its rewards on those steps; later phases
 fill in old log-probs, values, advantages and returns. Samples are grouped into micro-batches of
 bounded padded size (`micro_batches`) and collated into right-padded tensors (`collate`); every
-loss is a sum over steps divided by the mini-batch's step count, so the grouping never changes it.
+loss is a weighted sum over steps with the normaliser of the whole mini-batch (`loss_agg`), so the
+grouping never changes it.
 
 Packing (`ppo.pack_groups`): the episodes of a group play one puzzle, so they share their first
 prompt (system prompt, instruction, first state: most of a one-turn episode's tokens). Their
