@@ -11,7 +11,8 @@ each is a built-in name below or a mapping that defines a variant (see `Arm`, do
     vanilla_rl               + Vanilla RL                      -                              -          base, raw grid              as PPO
     state_estimation_rl      + State Estimation RL             -                              -          base, coordinates           as PPO
     vagen                    + VAGEN                           -                              -          world model, coordinates,   as PPO
-                                                                                                         + reward for right states
+                                                                                                         + reward for right states,
+                                                                                                         bi-level GAE
     spa_sft                  + SPA SFT (Table 7)               self-play, coordinates         5 epochs   -                           base, coordinates
     spa                      + SPA                             as spa_sft                     as spa_sft base, coordinates           as PPO
     spa_masked               masked states (Fig. 4)            as spa                         [MASKED]   as spa                      as PPO
@@ -26,8 +27,9 @@ each is a built-in name below or a mapping that defines a variant (see `Arm`, do
 validates its RL runs; everything else about the eval (puzzles, samples, temperature, tokens,
 turns) is the same for every arm, so the paired differences of the table are over the same puzzles.
 A built-in arm pins what defines it (the prompt and render modes in this table, VAGEN's state
-reward and its absence elsewhere, the ablation's own setting); every other setting comes from the
-config's sections (`sft.epochs`, `ppo.steps`, ...), the same for every arm.
+reward and bi-level GAE, the state reward's absence elsewhere, the ablation's own setting); every
+other setting comes from the config's sections (`sft.epochs`, `ppo.steps`, ...), the same for
+every arm.
 The self-play data is played by the arm's starting model (`pipeline.data_policy: model`, the
 paper), or by random actions (`random`, the bootstrap for a model too weak to write the format, in
 which case spa's data is RandSFT data). A mapping defines an arm from a built-in one (`like`) with
@@ -166,7 +168,8 @@ BUILT_IN = {arm.name: arm for arm in [
     Arm("vanilla_rl", "+ Vanilla RL", ppo=True, set={**_STATE_ESTIMATION_RL, "ppo.render_mode": "text"}),
     Arm("state_estimation_rl", "+ State Estimation RL", ppo=True, set=_STATE_ESTIMATION_RL),
     Arm("vagen", "+ VAGEN", ppo=True,
-        set={"ppo.prompt_mode": "world_model", "ppo.render_mode": "coords", "ppo.state_reward": "cells"}),
+        set={"ppo.prompt_mode": "world_model", "ppo.render_mode": "coords", "ppo.state_reward": "cells",
+             "ppo.advantage": "bilevel_gae"}),
     Arm("spa_sft", "+ SPA SFT", sft=True, ids=_SELF_PLAY,
         set={**_SELF_PLAY_DATA, "eval.prompt_mode": "base", "eval.render_mode": "coords"}),
     Arm("spa", "+ SPA", sft=True, ppo=True, ids=_SELF_PLAY, set=_SPA),

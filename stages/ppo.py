@@ -23,8 +23,9 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
 5. **Update**: ``ppo.ppo_epochs`` passes over mini-batches of ``ppo.mini_batch`` episodes, in
    order, one optimizer step per mini-batch for actor and critic (`stages.training.trainable`:
    DeepSpeed ZeRO, or plain torch with ``zero_stage: 0``; AdamW, constant lr, gradient clipping). Micro-batches
-   hold at most ``ppo.micro_batch_tokens`` padded tokens and accumulate gradients; every loss is a
-   token mean over the whole mini-batch, so the micro-batching never changes the objective.
+   hold at most ``ppo.micro_batch_tokens`` padded tokens and accumulate gradients; every loss is
+   the ``ppo.loss_agg`` aggregate of the whole mini-batch (`stages.training.loss_agg`: a token
+   mean by default), so the micro-batching never changes the objective.
 
 Token-in/token-out: the sequences trained are the exact token ids the sampler consumed and
 produced (`Episode.token_ids`), never re-tokenized text. The loss mask (``ppo.loss_mask``) is the
@@ -117,7 +118,7 @@ from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
 from stages.training import engine as eng
-from stages.training import memory, trainable
+from stages.training import loss_agg, memory, trainable
 from stages.training import ppo_algos as algos
 from stages.training.checkpoints import FINAL_DIR, RunDir, merged_lora_state_dict, save_hf_checkpoint
 from stages.training.policy import StepPolicy, ValueModel
@@ -130,6 +131,7 @@ from stages.training.ppo_samples import (
     rank_micro_batches,
     rank_shares,
     score,
+    step_count,
     step_mask,
     system_prompt_length,
     to_sample,
@@ -140,6 +142,8 @@ from stages.training.ppo_samples import (
 CONSTANT_LR_STEPS = 2**62
 #: AdamW betas of verl's actor and critic (SPA sets none).
 ADAM_BETAS = (0.9, 0.999)
+#: The metrics of the state reward an episode was paid (a sum over its turns): all, then its two parts.
+STATE_REWARD_METRICS = ("state_reward", "state_reward_observation", "state_reward_prediction")
 #: Settings that may differ between a run and its --resume without changing what is computed.
 RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
                "gradient_checkpointing", "pack_groups", "deepspeed_config"}
@@ -335,16 +339,19 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
     for _ in range(ppo.ppo_epochs):
         for mini in shares:  # in order: SPA's shuffle=False
             parts = [[samples[i] for i in part] for part in mini]
-            tokens = sum(s.steps for part in parts for s in part)  # every loss: a token mean over the WHOLE mini-batch
+            tokens = sum(s.steps for part in parts for s in part)  # every loss: an aggregate of the WHOLE mini-batch
+            normalizer = loss_agg.batch_normalizer(ppo.loss_agg, tokens, sum(len(part) for part in parts))
             micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
             batches = [collate(rows, dist.device, pad_id) for rows, _ in micros]
             for index, (rows, weight) in enumerate(micros):
                 batch = batches[index]
                 micro = [sample for row in rows for sample in row]  # collate's order
                 last = index == len(micros) - 1
-                terms = _actor_backward(models, batch, micro, weight, tokens, last, config, step)
+                weights = loss_agg.token_weights(loss_agg.sequence_index(step_count(rows), dist.device),
+                                                 ppo.loss_agg, normalizer)
+                terms = _actor_backward(models, batch, micro, weight, weights, last, config, step)
                 if models.critic_engine is not None:
-                    terms |= _critic_backward(models, batch, micro, weight, tokens, last, config, step)
+                    terms |= _critic_backward(models, batch, micro, weight, weights, last, config, step)
                 for key, value in terms.items():  # micro means, weighted by their tokens
                     totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
             for name, engine in engines.items():
@@ -356,23 +363,23 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
     return stats | {f"{name}_grad_norm": sum(values) / len(values) for name, values in norms.items()}
 
 
-def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
-                    config: SPAConfig, step: int) -> dict[str, float]:
-    """The policy loss of a micro-batch (+ the value loss with a shared critic), backpropagated."""
+def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: float, weights: torch.Tensor,
+                    last: bool, config: SPAConfig, step: int) -> dict[str, float]:
+    """The policy loss of a micro-batch (+ the value loss with a shared critic), backpropagated;
+    ``weights``: each step's weight in the mini-batch's aggregate (`stages.training.loss_agg`)."""
     ppo, device = config.ppo, models.dist.device
     logprobs, entropy, values = models.actor_engine(**batch, with_entropy=True, with_values=models.shared_critic)
     pg_loss, stats = algos.policy_loss(logprobs, flat(micro, "old_logprobs", device), flat(micro, "advantages", device),
                                        torch.ones_like(logprobs), ppo.clip_low, ppo.clip_high, ppo.dual_clip,
-                                       normalizer=tokens)
-    loss = pg_loss - ppo.entropy_coef * entropy.sum() / tokens
-    terms = {"pg_loss": pg_loss.item() * tokens / len(logprobs), "entropy": entropy.mean().item(),
-             **{key: value.item() for key, value in stats.items()}}
+                                       weights=weights)
+    loss = pg_loss - ppo.entropy_coef * (entropy * weights).sum()
+    terms = {"entropy": entropy.mean().item(), **{key: value.item() for key, value in stats.items()}}
     if ppo.kl_coef > 0:
         kl = algos.kl_penalty(logprobs, flat(micro, "ref_logprobs", device), "k3")
-        loss = loss + ppo.kl_coef * kl.sum() / tokens
+        loss = loss + ppo.kl_coef * (kl * weights).sum()
         terms["kl_ref"] = kl.mean().item()
     if models.shared_critic:  # one backward through the shared trunk for both losses
-        value_loss, value_terms = _value_loss(values, micro, tokens, config, device)
+        value_loss, value_terms = _value_loss(values, micro, weights, config, device)
         loss = loss + ppo.value_coef * value_loss
         terms |= value_terms
     _check_finite(loss, "policy loss", step, config, models.dist)
@@ -380,21 +387,21 @@ def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: fl
     return terms
 
 
-def _critic_backward(models: Models, batch: dict, micro: list[Sample], weight: float, tokens: int, last: bool,
-                     config: SPAConfig, step: int) -> dict[str, float]:
+def _critic_backward(models: Models, batch: dict, micro: list[Sample], weight: float, weights: torch.Tensor,
+                     last: bool, config: SPAConfig, step: int) -> dict[str, float]:
     engine = models.critic_engine
     values = engine(**batch)
-    loss, terms = _value_loss(values, micro, tokens, config, models.dist.device)
+    loss, terms = _value_loss(values, micro, weights, config, models.dist.device)
     _check_finite(loss, "value loss", step, config, models.dist)
     engine.backward(loss * weight, last)
     return terms
 
 
-def _value_loss(values: torch.Tensor, micro: list[Sample], tokens: int, config: SPAConfig,
+def _value_loss(values: torch.Tensor, micro: list[Sample], weights: torch.Tensor, config: SPAConfig,
                 device: Any) -> tuple[torch.Tensor, dict[str, float]]:
     loss, stats = algos.value_loss(values, flat(micro, "values", device), flat(micro, "returns", device),
-                                   torch.ones_like(values), config.ppo.value_clip, normalizer=tokens)
-    return loss, {"value_loss": loss.item() * tokens / len(values), "vf_clip_frac": stats["vf_clip_frac"].item()}
+                                   torch.ones_like(values), config.ppo.value_clip, weights=weights)
+    return loss, {key: value.item() for key, value in stats.items()}
 
 
 def _step(engine: Any, name: str, step: int) -> float:
@@ -451,7 +458,8 @@ def episode_figures(episode: Any) -> dict[str, Any]:
     """What the filter and the step's metrics need of an episode (all that is gathered of it)."""
     return {"group": episode.group, "score": episode.total_reward, "success": bool(episode.success),
             "format_penalty": episode.format_penalty, "turns": len(episode.turns),
-            "response_length": sum(episode.response_mask), "sequence_length": len(episode.token_ids)}
+            "response_length": sum(episode.response_mask), "sequence_length": len(episode.token_ids),
+            **{key: sum(getattr(turn, key) for turn in episode.turns) for key in STATE_REWARD_METRICS}}
 
 
 def keep_groups(episodes: list[Any], filter_ratio: float, dist: Dist) -> tuple[list[dict], list[Any]]:
@@ -550,9 +558,11 @@ def _forget_validations_after(out: Path, step: int) -> None:
             path.unlink()
 
 
-def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample]) -> dict[str, float]:
-    """What the rollouts did (`figures` of every episode), and how far the trainer's log-probs are
-    from the sampler's."""
+def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
+                  state_reward: bool = False) -> dict[str, float]:
+    """What the rollouts did (`figures` of every episode; with `state_reward`, the state reward an
+    episode was paid, on average, and its two parts), and how far the trainer's log-probs are from
+    the sampler's."""
     n = len(figures)
     stats = {
         "reward": sum(f["score"] for f in figures) / n,
@@ -565,6 +575,8 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample]) -
         "kept_reward": sum(e.total_reward for e in kept) / len(kept),
         "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
+    if state_reward:
+        stats |= {key: sum(f[key] for f in figures) / n for key in STATE_REWARD_METRICS}
     diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples
              if s.sampler_logprobs is not None and s.old_logprobs is not s.sampler_logprobs]  # none: taken from it
     if diffs:
@@ -671,8 +683,8 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 train_stats = update(models, samples, shares, config, step)
                 push_weights(models, backend, config)
 
-            row = {"step": step, "seed_counter": seed_counter, **rollout_stats(figures, kept, samples),
-                   **train_stats, **timer.seconds}
+            row = {"step": step, "seed_counter": seed_counter,
+                   **rollout_stats(figures, kept, samples, ppo.state_reward != "none"), **train_stats, **timer.seconds}
             update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
             last_step = step == ppo.steps

@@ -38,7 +38,8 @@ def chain(the_plan, arm):
         if stage.kind == "sft":
             fact |= {"epochs": cfg.sft.epochs, "state_text": cfg.sft.state_text, "data": cfg.sft.data}
         if stage.kind == "ppo":
-            fact |= {"modes": (cfg.ppo.prompt_mode, cfg.ppo.render_mode), "state_reward": cfg.ppo.state_reward}
+            fact |= {"modes": (cfg.ppo.prompt_mode, cfg.ppo.render_mode), "state_reward": cfg.ppo.state_reward,
+                     "advantage": cfg.ppo.advantage}
         if stage.kind == "eval":
             fact |= {"modes": (cfg.eval.prompt_mode, cfg.eval.render_mode)}
         facts.insert(0, (stage.name, fact))
@@ -60,8 +61,8 @@ def tuned(name, clean, epochs=5, state_text="trained"):
                             "data": f"{R}/sft_data/{clean}.jsonl"})
 
 
-def rl(name, start, modes=("base", "coords"), state_reward="none"):
-    return (f"ppo/{name}", {"model": start, "modes": modes, "state_reward": state_reward})
+def rl(name, start, modes=("base", "coords"), state_reward="none", advantage="gae"):
+    return (f"ppo/{name}", {"model": start, "modes": modes, "state_reward": state_reward, "advantage": advantage})
 
 
 def evaluated(name, model, modes=("base", "coords")):
@@ -85,7 +86,7 @@ EXPECTED = {
                    evaluated("vanilla_rl", f"{R}/ppo/vanilla_rl/final", ("base", "text"))],
     "state_estimation_rl": [rl("state_estimation_rl", BASE),
                             evaluated("state_estimation_rl", f"{R}/ppo/state_estimation_rl/final")],
-    "vagen": [rl("vagen", BASE, ("world_model", "coords"), "cells"),
+    "vagen": [rl("vagen", BASE, ("world_model", "coords"), "cells", "bilevel_gae"),
               evaluated("vagen", f"{R}/ppo/vagen/final", ("world_model", "coords"))],
     "spa_sft": [SELF_PLAY, cleaned("selfplay"), tuned("spa", "selfplay"),
                 evaluated("spa_sft", f"{R}/sft/spa/final")],

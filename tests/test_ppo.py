@@ -67,6 +67,90 @@ def test_sample_with_the_assistant_mask_has_the_sampled_tokens_as_steps():
     assert (sample.score, sample.group) == (pytest.approx(1.4), 3)
 
 
+def three_turn_episode():
+    """Tokens: system 0-1, user 2, turn 1 = 3-4, env reply 5, turn 2 = 6-7, env reply 8, turn 3 = 9-10.
+
+    Turn rewards (env reward + format penalty + state reward's observation and prediction parts):
+    turn 1: 0 + 0 + 0.5 + 0.25 = 0.75; turn 2: 0 - 0.25 + 0.5 + 0 = 0.25; turn 3: 1 + 0 + 0 + 0.5 = 1.5.
+    """
+    from stages.agent.episode import Episode, Turn
+
+    turn = {"state": "s", "response": "r", "observation": "o", "prediction": "p", "thoughts": None,
+            "actions": [], "executed": [], "next_state": "s", "format_ok": True, "done": False}
+    episode = Episode("e", "sokoban", 5, group=0, sample=0, prompt_mode="world_model", render_mode="coords",
+                      model="m")
+    episode.token_ids = list(range(100, 111))
+    episode.response_mask = [0, 0, 0, 1, 1, 0, 1, 1, 0, 1, 1]
+    episode.logprobs = None
+    episode.turn_spans = [(3, 5), (6, 8), (9, 11)]
+    episode.turns = [
+        Turn(**turn, reward=0.0, penalty=0.0, state_reward_observation=0.5, state_reward_prediction=0.25),
+        Turn(**turn, reward=0.0, penalty=-0.25, state_reward_observation=0.5, state_reward_prediction=0.0),
+        Turn(**turn, reward=1.0, penalty=0.0, state_reward_observation=0.0, state_reward_prediction=0.5),
+    ]
+    episode.total_reward = 2.5
+    return episode
+
+
+def test_each_turns_state_reward_sits_on_that_turns_last_token():
+    sample = ppo_samples.to_sample(three_turn_episode(), "assistant", system_length=2)
+    assert sample.positions.tolist() == [3, 4, 6, 7, 9, 10]
+    assert sample.turn_ends.tolist() == [False, True, False, True, False, True]
+    assert sample.turn_rewards.tolist() == [0.0, 0.75, 0.0, 0.25, 0.0, 1.5]
+    assert sample.rewards.tolist() == [0.0] * 5 + [2.5]  # token-level GAE: the whole score at the end
+    every = ppo_samples.to_sample(three_turn_episode(), "all", system_length=2)  # env tokens are steps too
+    assert every.turn_rewards.tolist() == [0.0, 0.0, 0.75, 0.0, 0.0, 0.25, 0.0, 0.0, 1.5]
+
+
+# Values on the six steps; each turn is valued at its last token: U1 = 1, U2 = 0.5, U3 = 2.
+THREE_TURN_VALUES = [0.5, 1.0, 0.25, 0.5, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(("gamma", "lam", "turn_gamma", "advantages"), [
+    # Turn level: Â3 = 1.5 - 2 = -0.5; Â2 = 0.25 + 2 - 0.5 + Â3 = 1.25; Â1 = 0.75 + 0.5 - 1 + Â2 = 1.5.
+    # Token level: A(last of turn k) = Â_k; A(first) = (V_last - V_first) + Â_k: the reward-to-go minus V.
+    (1.0, 1.0, 1.0, [2.0, 1.5, 1.5, 1.25, 0.5, -0.5]),
+    # Â3 = -0.5; Â2 = (0.25 + 0.5*2 - 0.5) + 0.25*Â3 = 0.625; Â1 = (0.75 + 0.5*0.5 - 1) + 0.25*Â2 = 0.15625.
+    # A(first) = (0.5*V_last - V_first) + 0.25*Â_k: 0.0390625, 0.15625, -0.125.
+    (0.5, 0.5, 0.5, [0.0390625, 0.15625, 0.15625, 0.625, -0.125, -0.5]),
+    # The same turn level; A(first) = (V_last - V_first) + 0.5*Â_k: 0.578125, 0.5625, 0.75.
+    (1.0, 0.5, 0.5, [0.578125, 0.15625, 0.5625, 0.625, 0.75, -0.5]),
+    # The turn level of the first case; A(first) = (0.5*V_last - V_first) + 0.5*Â_k: 0.75, 0.625, -0.25.
+    (0.5, 1.0, 1.0, [0.75, 1.5, 0.625, 1.25, -0.25, -0.5]),
+])
+def test_bilevel_gae_on_a_three_turn_episode_against_hand_computation(gamma, lam, turn_gamma, advantages):
+    from stages.common.config import PPOConfig
+    from stages.training import ppo_algos
+
+    sample = ppo_samples.to_sample(three_turn_episode(), "assistant", system_length=2)
+    values = torch.tensor(THREE_TURN_VALUES)
+    raw, returns = ppo_algos.bilevel_gae(sample.turn_rewards[None], values[None], torch.ones(1, 6),
+                                         sample.turn_ends[None], gamma, lam, turn_gamma)
+    assert raw[0].tolist() == advantages  # dyadic numbers: exact in float32
+    assert returns[0].tolist() == [a + v for a, v in zip(advantages, THREE_TURN_VALUES, strict=True)]
+    # the turn's return G_k = Â_k + U_k is the critic's target at the turn's last token
+    sample.values = values
+    ppo_samples.compute_advantages([sample], PPOConfig(advantage="bilevel_gae", gamma=gamma, lam=lam,
+                                                       turn_gamma=turn_gamma))
+    assert sample.returns.tolist() == returns[0].tolist()
+    expected = torch.tensor(advantages)
+    whitened = (expected - expected.mean()) / (expected.var() + 1e-8).sqrt()
+    torch.testing.assert_close(sample.advantages, whitened)
+
+
+def test_a_step_logs_the_state_reward_it_paid():
+    episodes = [three_turn_episode(), three_turn_episode()]
+    for turn in episodes[1].turns:
+        turn.state_reward_observation = turn.state_reward_prediction = 0.0
+    figures = [ppo.episode_figures(e) for e in episodes]
+    assert (figures[0]["state_reward_observation"], figures[0]["state_reward_prediction"]) == (1.0, 0.75)
+    samples = [ppo_samples.to_sample(e, "assistant", system_length=2) for e in episodes]
+    stats = ppo.rollout_stats(figures, episodes, samples, state_reward=True)
+    assert (stats["state_reward"], stats["state_reward_observation"], stats["state_reward_prediction"]) == (
+        0.875, 0.5, 0.375)
+    assert "state_reward" not in ppo.rollout_stats(figures, episodes, samples)
+
+
 def test_sample_with_the_all_mask_covers_everything_after_the_system_prompt():
     sample = ppo_samples.to_sample(two_turn_episode(), "all", system_length=3)
     assert sample.positions.tolist() == list(range(3, 12))
@@ -314,12 +398,18 @@ def test_a_finished_run_leaves_no_model_behind(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("advantage, zero_stage", [("grpo", 0), ("bilevel_gae", 2)])
 def test_other_estimators_and_loss_mask_all_run(tiny_model_dir, tmp_path, advantage, zero_stage):
-    """The critic-free and turn-level estimators, SPA's released loss mask and the KL term, on
-    DeepSpeed and on the plain torch engine."""
+    """The critic-free and turn-level estimators (the latter with VAGEN's state reward and the
+    per-episode loss weighting), SPA's released loss mask and the KL term, on DeepSpeed and on the
+    plain torch engine."""
     out = tmp_path / "run"
+    vagen = ["ppo.state_reward=cells", "ppo.prompt_mode=world_model"] if advantage == "bilevel_gae" else []
+    vagen += ["ppo.loss_agg=seq-mean-token-mean"] if vagen else []  # as SPA's runs weigh episodes
     ppo.run(tiny_config(tiny_model_dir, out, "ppo.steps=1", f"ppo.advantage={advantage}", "ppo.loss_mask=all",
-                        "ppo.kl_coef=0.1", f"ppo.zero_stage={zero_stage}"))
+                        "ppo.kl_coef=0.1", f"ppo.zero_stage={zero_stage}", *vagen))
     row = read_metrics(out)[0]
+    assert ("state_reward" in row) == bool(vagen)  # VAGEN's reward, when paid, is logged
+    if vagen:
+        assert row["state_reward"] == pytest.approx(row["state_reward_observation"] + row["state_reward_prediction"])
     assert math.isfinite(row["pg_loss"]) and math.isfinite(row["kl_ref"])
     assert row["logp_diff"] < 1e-3
     assert ("value_loss" in row) == (advantage != "grpo")

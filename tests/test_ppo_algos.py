@@ -161,9 +161,12 @@ def test_policy_loss_hand_values_and_token_mean():
     assert stats["clip_frac"].item() == pytest.approx(2 / 3)
     assert stats["dual_clip_frac"].item() == pytest.approx(1 / 3)
     assert stats["ppo_kl"].item() == pytest.approx(-(math.log(1.5) + math.log(0.5) + math.log(5.0)) / 3)
-    # A normalizer replaces the token count (gradient accumulation over micro-batches).
-    summed, _ = algos.policy_loss(logp, old, advantages, mask, 0.2, 0.28, 3.0, normalizer=6)
-    assert summed.item() == pytest.approx((-2.56 + 0.8 + 1.5) / 6)
+    assert stats["pg_loss"].item() == pytest.approx(loss.item())
+    # Weights replace the token mean (`loss_agg`: the whole mini-batch's aggregate over micro-batches).
+    weights = torch.tensor([[0.5, 0.25, 0.125, 7.0]])
+    weighted, stats = algos.policy_loss(logp, old, advantages, mask, 0.2, 0.28, 3.0, weights=weights)
+    assert weighted.item() == pytest.approx(-2.56 * 0.5 + 0.8 * 0.25 + 1.5 * 0.125)
+    assert stats["pg_loss"].item() == pytest.approx((-2.56 + 0.8 + 1.5) / 3)  # logged as the token mean
 
 
 def test_policy_loss_random_against_brute_force():

@@ -178,6 +178,7 @@ def turn(pos, response, actions, executed, reward, next_pos, format_ok=True, don
         "thoughts": "go" if parsed_ok else None, "actions": actions, "executed": executed,
         "reward": reward, "next_state": GOAL_STATE if next_pos == 4 else state(next_pos),
         "format_ok": format_ok, "done": done, "penalty": penalty, "state_reward": 0.0,
+        "state_reward_observation": 0.0, "state_reward_prediction": 0.0,
         "action_valid": [True] * len(actions) if valid is None else valid,
         "action_effective": [True] * len(executed) if effective is None else effective,
     }
@@ -284,20 +285,24 @@ VAGEN_SCRIPT = {"corridor-10-0": [
 ]}
 
 
-@pytest.mark.parametrize(("kind", "weights", "expected"), [
-    ("exact", (0.5, 0.5), [1.0, 0.5, 0.0]),
-    ("cells", (0.5, 0.5), [1.0, 0.5 + 0.5 * 0.6, 0.0]),
-    ("exact", (1.0, 2.0), [3.0, 1.0, 0.0]),
+@pytest.mark.parametrize(("kind", "weights", "observation", "prediction"), [
+    ("exact", (0.5, 0.5), [0.5, 0.5, 0.0], [0.5, 0.0, 0.0]),
+    ("cells", (0.5, 0.5), [0.5, 0.5, 0.0], [0.5, 0.5 * 0.6, 0.0]),
+    ("exact", (1.0, 2.0), [1.0, 1.0, 0.0], [2.0, 0.0, 0.0]),
 ])
-def test_the_state_reward_scores_each_turns_states(corridor, kind, weights, expected):
+def test_the_state_reward_scores_each_turns_states(corridor, kind, weights, observation, prediction):
     reward = StateReward(kind, *weights)
     [episode] = play_with(make_config(), ScriptedBackend(VAGEN_SCRIPT), [10], 1, state_reward=reward)
+    assert [turn.state_reward_observation for turn in episode.turns] == pytest.approx(observation)
+    assert [turn.state_reward_prediction for turn in episode.turns] == pytest.approx(prediction)
+    expected = [o + p for o, p in zip(observation, prediction, strict=True)]
     assert [turn.state_reward for turn in episode.turns] == pytest.approx(expected)
     assert [turn.reward for turn in episode.turns] == pytest.approx([-0.2, -0.1, 0.0])
     assert episode.format_penalty == pytest.approx(-0.1)
     assert episode.total_reward == pytest.approx(-0.3 - 0.1 + sum(expected))  # PPO's score includes it
     assert episode.messages[3]["content"].startswith("Reward:\n-0.2\n")  # the prompt shows the env's reward
-    assert episode.to_json()["turns"][0]["state_reward"] == pytest.approx(expected[0])
+    first = episode.to_json()["turns"][0]
+    assert (first["state_reward"], first["state_reward_prediction"]) == pytest.approx((expected[0], prediction[0]))
 
 
 def test_the_state_reward_reads_states_written_under_the_base_prompt(corridor):

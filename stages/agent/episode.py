@@ -26,12 +26,19 @@ class Turn:
     format_ok: bool
     done: bool  # the episode ended with this turn
     penalty: float = 0.0  # the format penalty charged to this turn (0.0 or rollout.format_penalty)
-    state_reward: float = 0.0  # the VAGEN arm's reward for correct states (`stages.agent.states`); 0 otherwise
+    # The VAGEN arm's reward for correct states (`stages.agent.states`; 0 otherwise): its
+    # <observation> part and its <prediction> part, weighted; `state_reward` is their sum.
+    state_reward_observation: float = 0.0
+    state_reward_prediction: float = 0.0
     finish_reason: str = "stop"  # the backend's: stop, eos, or length
     # Per parsed action: the game understood it (parse, and the env's action_is_valid when it ran).
     action_valid: list[bool] = field(default_factory=list)
     # Per executed action: it changed the state (the env's action_is_effective).
     action_effective: list[bool] = field(default_factory=list)
+
+    @property
+    def state_reward(self) -> float:
+        return self.state_reward_observation + self.state_reward_prediction
 
 
 @dataclass
@@ -81,8 +88,8 @@ class Episode:
 
     def to_json(self) -> dict[str, Any]:
         turn_keys = ("state", "response", "observation", "prediction", "thoughts", "actions", "executed",
-                     "reward", "next_state", "format_ok", "done", "penalty", "state_reward", "action_valid",
-                     "action_effective")
+                     "reward", "next_state", "format_ok", "done", "penalty", "state_reward",
+                     "state_reward_observation", "state_reward_prediction", "action_valid", "action_effective")
         return {
             "id": self.id, "env": self.env, "seed": self.seed, "group": self.group, "sample": self.sample,
             "prompt_mode": self.prompt_mode, "render_mode": self.render_mode, "model": self.model,

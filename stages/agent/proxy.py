@@ -129,14 +129,16 @@ class AgentProxy:
         response = prompts.GENERATION_PREFIX + text
         parsed = parse_response(text, self.prompt_mode, self.rollout.max_actions_per_turn)
         result = env_manager.step(episode, parsed)
-        state_reward = 0.0
+        observation_reward = prediction_reward = 0.0
         if self.state_reward is not None:
-            state_reward = self.state_reward(parsed.observation, parsed.prediction, state, result.next_state)
+            observation_reward, prediction_reward = self.state_reward.parts(
+                parsed.observation, parsed.prediction, state, result.next_state)
         episode.turns.append(Turn(
             state=state, response=response, observation=parsed.observation, prediction=parsed.prediction,
             thoughts=parsed.thoughts, actions=list(parsed.actions), executed=result.executed,
             reward=result.reward, next_state=result.next_state, format_ok=parsed.format_ok,
-            done=result.done, penalty=result.penalty, state_reward=state_reward, finish_reason=completion.finish_reason,
+            done=result.done, penalty=result.penalty, state_reward_observation=observation_reward,
+            state_reward_prediction=prediction_reward, finish_reason=completion.finish_reason,
             action_valid=result.action_valid, action_effective=result.action_effective,
         ))
         next_block = None

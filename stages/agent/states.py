@@ -100,6 +100,11 @@ class StateReward:
             return 0.0
         return float(states_match(written, true)) if self.kind == "exact" else cell_accuracy(written, true)
 
+    def parts(self, observation: str | None, prediction: str | None, state: str,
+              next_state: str) -> tuple[float, float]:
+        """The turn's (observation, prediction) rewards, each weighted; their sum is the turn's reward."""
+        return (self.observation_weight * self.score(observation, state),
+                self.prediction_weight * self.score(prediction, next_state))
+
     def __call__(self, observation: str | None, prediction: str | None, state: str, next_state: str) -> float:
-        return (self.observation_weight * self.score(observation, state)
-                + self.prediction_weight * self.score(prediction, next_state))
+        return sum(self.parts(observation, prediction, state, next_state))

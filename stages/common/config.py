@@ -332,7 +332,8 @@ class PPOConfig(TrainingConfig):
         'VAGEN\'s per-turn reward for correct states: "none"; "exact" (1 per state equal to the truth); '
         '"cells" (the share of grid cells right). Each turn gains observation_weight x score(<observation>, '
         "shown state) + prediction_weight x score(<prediction>, state after the turn); a missing tag scores "
-        "0. The VAGEN arm sets it."), paper="none (SPA); the VAGEN baseline rewards states")
+        "0. With bilevel_gae it is the reward of the turn it judges, otherwise part of the episode's score. "
+        "The VAGEN arm sets it."), paper="none (SPA); the VAGEN baseline rewards states")
     observation_weight: float = setting(0.5, ge=0, help="Weight of the <observation>'s state reward.",
                                         paper="unpublished (VAGEN's default)")
     prediction_weight: float = setting(0.5, ge=0, help="Weight of the <prediction>'s state reward.",
@@ -345,8 +346,9 @@ class PPOConfig(TrainingConfig):
                            paper="1.0")
     lam: float = setting(1.0, ge=0, le=1, help="Token-level GAE lambda.", paper="1.0")
     advantage: Literal["gae", "bilevel_gae", "grpo"] = setting("gae", help=(
-        '"gae": token-level GAE with the critic (SPA); "bilevel_gae": turn-level GAE then token-level '
-        'inside each turn (RAGEN); "grpo": the group-normalised episode score, no critic (cheaper).'),
+        '"gae": token-level GAE with the critic (SPA); "bilevel_gae": VAGEN\'s Bi-Level GAE, each turn\'s '
+        "reward on its last token, turn-level GAE over the turns (turn_gamma, lam), then token-level GAE "
+        'inside each turn (the VAGEN arm); "grpo": the group-normalised episode score, no critic (cheaper).'),
         paper="gae")
     turn_gamma: float = setting(0.95, ge=0, le=1, help="Discount between turns of the bi-level GAE.",
                                 paper="0.95 (high_level_gamma; unused by SPA)")
@@ -368,6 +370,12 @@ class PPOConfig(TrainingConfig):
         '"assistant": PPO steps on the model\'s own tokens (the paper); "all": on every token after the '
         "system prompt, environment text included (SPA's released config)."),
         paper="assistant (§2.3); all in SPA's released config")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = setting("token-mean", help=(
+        "How a step's token losses make its loss (verl's loss_agg_mode, over the whole batch whatever the "
+        'micro-batching and ranks): "token-mean" (every token weighs the same), "seq-mean-token-mean" '
+        '(every episode weighs the same: the mean of its token mean), "seq-mean-token-sum" (the mean over '
+        "episodes of their token sums). The actor's and the critic's losses, the entropy and KL terms alike."),
+        paper="seq-mean-token-mean (SPA's runs: verl's token-mean per micro-batch of one episode)")
     pack_groups: bool = setting(True, help=(
         "Compute the first prompt a group's episodes share once per group, in one packed sequence per "
         "group (stages/training/ppo_samples.py): the same losses and gradients, fewer tokens. SDPA/eager "

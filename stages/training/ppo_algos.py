@@ -8,10 +8,10 @@ Conventions shared by every function:
 * Only positions where the mask is 1 are *steps* of the decision process. The tokens between two
   steps (an environment reply between two turns) are skipped, so the GAE recursion links each
   model token to the next model token, across turns.
-* Sequence losses are aggregated as a token mean: the sum over masked tokens divided by
-  ``normalizer`` (default: the number of masked tokens in the tensor). Passing the mini-batch's
-  token count as the normalizer makes gradient accumulation over micro-batches give exactly the
-  mini-batch token mean.
+* Losses are aggregated with per-token ``weights`` (`stages.training.loss_agg`: the weights of
+  ``ppo.loss_agg`` with the normaliser of the whole mini-batch, so that gradient accumulation over
+  micro-batches gives exactly the mini-batch's aggregate); without them, as a token mean over the
+  mask.
 """
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-    """Token mean of ``x`` over ``mask``; ``normalizer`` replaces the token count when given."""
-    count = mask.sum() if normalizer is None else torch.as_tensor(normalizer, dtype=x.dtype)
-    return masked_sum(x, mask) / count.clamp(min=1)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token mean of ``x`` over ``mask``."""
+    return masked_sum(x, mask) / mask.sum().clamp(min=1)
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``sum(weights * x)`` over ``mask`` (`stages.training.loss_agg`); without weights, the token mean."""
+    return masked_mean(x, mask) if weights is None else masked_sum(x * weights, mask)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -100,11 +104,11 @@ def bilevel_gae(turn_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Te
                 gamma: float, lam: float, turn_gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn-level GAE, then token-level GAE inside each turn; returns (advantages, returns).
 
-    Definition used here (RAGEN's idea, re-derived):
+    VAGEN's Bi-Level GAE (its ``bi_level_gae`` estimator, which values a turn at its last token):
 
     1. Each turn k ends at its last model token e_k (``turn_ends``), where its reward r_k sits
-       (``turn_rewards``: the turn's env reward plus its format penalty, 0 elsewhere). The turn's
-       value is the critic's value there, ``U_k = V[e_k]``.
+       (``turn_rewards``: the turn's env reward, format penalty and state reward; 0 elsewhere). The
+       turn's value is the critic's value there, ``U_k = V[e_k]``.
     2. Turn level: ``masked_gae`` over the turn ends alone, with ``turn_gamma`` and ``lam``:
        ``D_k = r_k + turn_gamma * U_{k+1} - U_k``, ``Â_k = D_k + turn_gamma * lam * Â_{k+1}``,
        and the turn's return ``G_k = Â_k + U_k``.
@@ -141,17 +145,18 @@ def group_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = 3.0,
-                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with asymmetric clip and dual clip, token-mean; returns (loss, stats).
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with asymmetric clip and dual clip (`aggregate`d); returns (loss, stats).
 
     Per token, with ratio ``ρ = exp(logp - old_logp)``:
     ``L = max(-A ρ, -A clip(ρ, 1 - clip_low, 1 + clip_high))``, and where ``A < 0`` the dual clip
     bounds it further: ``L = min(L, -A * dual_clip)`` (a ratio that exploded on a bad token cannot
     produce an unbounded step). ``dual_clip=None`` turns the dual clip off.
 
-    Stats (detached): ``clip_frac`` (tokens where the clipped term is the larger, i.e. clipping
-    is active), ``dual_clip_frac``, ``ppo_kl`` (mean of old_logp - logp, the k1 estimate of
-    KL(old || new)), all token means over the mask.
+    Stats (detached): ``pg_loss`` (the loss's token mean, whatever the weights), ``clip_frac``
+    (tokens where the clipped term is the larger, i.e. clipping is active), ``dual_clip_frac``,
+    ``ppo_kl`` (mean of old_logp - logp, the k1 estimate of KL(old || new)), all token means over
+    the mask.
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
@@ -165,28 +170,31 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         dual = (advantages < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
     stats = {
+        "pg_loss": masked_mean(loss, mask).detach(),
         "clip_frac": masked_mean((clipped > unclipped).to(mask.dtype), mask).detach(),
         "dual_clip_frac": masked_mean(dual.to(mask.dtype), mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, mask).detach(),
     }
-    return masked_mean(loss, mask, normalizer), stats
+    return aggregate(loss, mask, weights), stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float = 0.5, normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss, token-mean: ``0.5 * max((V - G)^2, (V_clip - G)^2)``; returns (loss, stats).
+               clip: float = 0.5,
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss ``0.5 * max((V - G)^2, (V_clip - G)^2)`` (`aggregate`d); returns (loss, stats).
 
     ``V_clip = old_V + clip(V - old_V, -clip, clip)`` keeps the critic within ``clip`` of the value
-    it had at rollout time. The factor is 0.5 (so the gradient is ``V - G``). Stats: ``vf_clip_frac``
-    (tokens where the clipped error is the larger).
+    it had at rollout time. The factor is 0.5 (so the gradient is ``V - G``). Stats (token means):
+    ``value_loss``, ``vf_clip_frac`` (tokens where the clipped error is the larger).
     """
     mask = mask.to(values.dtype)
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
     loss = 0.5 * torch.maximum(unclipped_error, clipped_error)
-    stats = {"vf_clip_frac": masked_mean((clipped_error > unclipped_error).to(mask.dtype), mask).detach()}
-    return masked_mean(loss, mask, normalizer), stats
+    stats = {"value_loss": masked_mean(loss, mask).detach(),
+             "vf_clip_frac": masked_mean((clipped_error > unclipped_error).to(mask.dtype), mask).detach()}
+    return aggregate(loss, mask, weights), stats
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

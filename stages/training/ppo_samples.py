@@ -4,7 +4,8 @@ An episode (`stages.agent.episode.Episode`, token-in/token-out) becomes a `Sampl
 ids, the positions that are PPO steps (the loss mask), its rewards on those steps; later phases
 fill in old log-probs, values, advantages and returns. Samples are grouped into micro-batches of
 bounded padded size (`micro_batches`) and collated into right-padded tensors (`collate`); every
-loss is a sum over steps divided by the mini-batch's step count, so the grouping never changes it.
+loss is a weighted sum over steps with the normaliser of the whole mini-batch (`loss_agg`), so the
+grouping never changes it.
 
 Packing (`ppo.pack_groups`): the episodes of a group play one puzzle, so they share their first
 prompt (system prompt, instruction, first state: most of a one-turn episode's tokens). Their
@@ -46,7 +47,7 @@ class Sample:
     sampled: torch.Tensor  # [S] bool: a token the sampler produced (not env text)
     sampler_logprobs: torch.Tensor | None  # [S] the sampler's log-probs (0 on env text)
     rewards: torch.Tensor  # [S] the score on the last sampled token
-    turn_rewards: torch.Tensor  # [S] each turn's reward + penalty on the turn's last token
+    turn_rewards: torch.Tensor  # [S] each turn's reward + penalty + state reward on the turn's last token
     turn_ends: torch.Tensor  # [S] bool
     score: float
     group: int
@@ -93,13 +94,14 @@ def to_sample(episode: Any, loss_mask: str, system_length: int) -> Sample:
 
 
 def _turn_rewards(episode: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each turn's env reward plus its format penalty, on the step of the turn's last sampled token."""
+    """Each turn's env reward, format penalty and state reward, on the step of the turn's last sampled
+    token: the reward of the turn it judges (VAGEN's turn-level reward). They sum to the score."""
     step_of = {int(p): s for s, p in enumerate(positions)}
     rewards = torch.zeros(len(positions))
     ends = torch.zeros(len(positions), dtype=torch.bool)
     carried = 0.0  # an empty completion's reward goes to the next turn that has tokens
     for turn, (start, end) in zip(episode.turns, episode.turn_spans, strict=True):
-        carried += turn.reward + turn.penalty
+        carried += turn.reward + turn.penalty + turn.state_reward
         if end > start:
             step = step_of[end - 1]
             rewards[step] += carried
