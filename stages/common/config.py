@@ -368,10 +368,11 @@ class PPOConfig(TrainingConfig):
         '"assistant": PPO steps on the model\'s own tokens (the paper); "all": on every token after the '
         "system prompt, environment text included (SPA's released config)."),
         paper="assistant (§2.3); all in SPA's released config")
-    pack_groups: bool = setting(True, help=(
-        "Compute the first prompt a group's episodes share once per group, in one packed sequence per "
-        "group (stages/training/ppo_samples.py): the same losses and gradients, fewer tokens. SDPA/eager "
-        "attention only: with flash-attention 2 the episodes are passed unpacked."))
+    share_prefix: bool = setting(True, help=(
+        "Compute the tokens the episodes of a micro-batch share (the instruction, each group's first prompt) "
+        "once: one sequence laid out as a prefix tree (stages/training/ppo_samples.py), the same losses and "
+        "gradients for fewer tokens. SDPA attention only: with flash-attention 2 the episodes are passed "
+        "unshared. false: one padded row per episode, for comparison."))
     old_logprobs: Literal["trainer", "sampler"] = setting("trainer", help=(
         'Where the old log-probs of the ratio come from: "trainer" (a no-grad pass of the actor; the '
         'logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout\'s own, which saves '
