@@ -128,38 +128,6 @@ def test_a_vllm_engine_receives_the_merged_lora_weights_under_the_base_names(tin
                            plain["model.layers.0.self_attn.q_proj.weight"])
 
 
-<<<<<<< HEAD
-=======
-@pytest.mark.parametrize("options", [
-    ("ppo.critic=separate",),
-    ("ppo.critic=shared", "ppo.micro_batch_tokens=1"),  # every episode its own micro-batch: several held graphs
-    ("ppo.critic=shared", "ppo.old_logprobs=sampler", "ppo.share_prefix=false"),
-    ("ppo.advantage=grpo",),
-])
-def test_scores_from_the_first_forward_train_what_a_scoring_pass_trains(tiny_model_dir, tmp_path, options):
-    """`ppo.score_in_update` (one mini-batch a step): the same losses, advantages and weights as the
-    separate no-grad pass, over two steps (the second played by the first step's weights)."""
-    from safetensors.torch import load_file
-
-    runs = {}
-    for fused in (False, True):
-        out = tmp_path / f"fused-{fused}"
-        ppo.run(tiny_config(tiny_model_dir, out, "ppo.mini_batch=4", f"ppo.score_in_update={fused}", *options))
-        runs[fused] = (read_metrics(out), load_file(out / "final" / "model.safetensors"))
-    (apart, apart_weights), (fused, fused_weights) = runs[False], runs[True]
-    for a, b in zip(apart, fused, strict=True):
-        for key in ("reward", "pg_loss", "value_loss", "entropy", "ppo_kl", "logp_diff", "actor_grad_norm"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-    if "ppo.advantage=grpo" not in options:  # (the tiny model's episodes all score alike: GRPO's are 0)
-        assert apart[0]["pg_loss"] != 0  # the advantages are not all zero: the loss has something to equal
-    for name, weight in apart_weights.items():
-        torch.testing.assert_close(fused_weights[name], weight, rtol=0, atol=1e-5)
-    assert max(abs(weight - load_file(Path(tiny_model_dir) / "model.safetensors")[name]).max()
-               for name, weight in fused_weights.items()) > 1e-4  # and the weights did move
-
-
->>>>>>> fdd4c08 (PPO passes pack a micro-batch's episodes as one prefix tree (what all share once, each group's first prompt once), attention node by node with SDPA or FlexAttention on CUDA; ppo.share_prefix replaces ppo.pack_groups)
 @pytest.mark.parametrize("overrides, message", [
     (["ppo.critic=shared", "ppo.advantage=grpo"], r"ppo.critic=shared puts a value head on the actor, and ppo"),
     (["ppo.lora_rank=8", "ppo.zero_stage=3"], r"ppo.lora_rank > 0 .* use ppo.zero_stage 0-2"),
