@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from stages.agent import prompts
-from stages.common.prefix_tree import common_prefix_len
 from stages.common import prefix_tree
 from stages.common.config import PPOConfig
+from stages.common.prefix_tree import common_prefix_len
 from stages.training import ppo_algos as algos
 
 

@@ -56,9 +56,9 @@ from pathlib import Path
 from stages.agent.parsing import STATE_PATTERNS, state_spans
 from stages.common import spa_data
 from stages.common.artifacts import read_jsonl
-from stages.common.prefix_tree import common_prefix_len
 from stages.common.config import StateText
 from stages.common.errors import UserError
+from stages.common.prefix_tree import common_prefix_len
 
 ROLES = ("system", "user", "assistant", "tool")
 STATE_TEXT = typing.get_args(StateText)
