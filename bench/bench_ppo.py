@@ -7,9 +7,9 @@ one-off costs (DeepSpeed and allocator warm-up) and is left out of the figures, 
 medians over the rest. Variants (`ppo.*` settings):
 
 * ``unpacked``: every episode its own sequence in the actor, critic and reference passes, old
-  log-probs from a trainer pass (`ppo.pack_groups: false`);
-* ``packed``: a group's episodes in one sequence, their shared first prompt computed once
-  (`ppo.pack_groups`, the default), its attention block by block (no masked block computed);
+  log-probs from a trainer pass (`ppo.share_prefix: false`);
+* ``packed``: a micro-batch's episodes in one sequence laid out as a prefix tree, the instruction
+  they all share and each group's first prompt computed once (`ppo.share_prefix`, the default);
 * ``packed_sampler_logprobs``: packed, and the old log-probs taken from the sampler
   (`ppo.old_logprobs=sampler`; fp32 only);
 * ``packed_lora``: packed, LoRA adapters (rank 16) on actor and critic instead of full
@@ -48,13 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PHASES = ("rollout", "old_logprobs", "values", "update")
 LORA = ["ppo.lora_rank=16", "ppo.lora_alpha=32"]
 VARIANTS = {
-    "unpacked": ["ppo.pack_groups=false"],
-    "packed": ["ppo.pack_groups=true"],
-    "packed_sampler_logprobs": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler"],
-    "packed_lora": ["ppo.pack_groups=true", *LORA],
-    "packed_shared_critic": ["ppo.pack_groups=true", "ppo.critic=shared"],
-    "cheapest": ["ppo.pack_groups=true", "ppo.old_logprobs=sampler", *LORA, "ppo.critic=shared"],
-    "packed_vllm": ["ppo.pack_groups=true", "rollout.backend=vllm"],
+    "unpacked": ["ppo.share_prefix=false"],
+    "packed": ["ppo.share_prefix=true"],
+    "packed_sampler_logprobs": ["ppo.share_prefix=true", "ppo.old_logprobs=sampler"],
+    "packed_lora": ["ppo.share_prefix=true", *LORA],
+    "packed_shared_critic": ["ppo.share_prefix=true", "ppo.critic=shared"],
+    "cheapest": ["ppo.share_prefix=true", "ppo.old_logprobs=sampler", *LORA, "ppo.critic=shared"],
+    "packed_vllm": ["ppo.share_prefix=true", "rollout.backend=vllm"],
 }
 #: Variants whose step-1 rollouts are not the hf backend's samples (another sampler): not compared.
 OTHER_SAMPLER = ("packed_vllm",)

@@ -14,19 +14,20 @@ timed. Prints one JSON object:
 * the same in bf16 (`spa_bf16`: `model.dtype=bfloat16`, fp32 weights under bf16 autocast;
   `trl_tuned_bf16`: TRL's `bf16=True`, the same autocast), which is much faster on CPUs with
   native bf16 matmul (measured when `model.dtype: auto` picks bf16 on this CPU, or with --bf16);
-* the same on SPA's one-row-per-turn data (`spa_turns`: a trajectory's turn rows merged into one
-  sequence, `sft.merge_turn_rows`; `spa_turns_unmerged`: each row alone; `trl_tuned_turns`), with
-  tokens counted as the rows' tokens for every trainer (spa computes fewer: `computed_tokens_fraction`);
+* spa with its rows' common prefixes computed once (`sft.share_prefix`, the default) and without
+  (`spa_unshared`), and the same on SPA's one-row-per-turn data (`spa_turns`, `spa_turns_unshared`,
+  `trl_tuned_turns`), with tokens counted as the rows' tokens for every trainer (spa with sharing
+  computes fewer: `computed_tokens_fraction`);
 * the ratios (targets: spa >= 1.3x TRL on trajectory rows, >= 2x on turn rows), each against TRL in
   the same precision;
-* MFU = 6 x parameters x tokens/s / the matmul FLOP/s measured here in the run's precision (best
+* MFU = 6 x parameters x computed tokens/s / the matmul FLOP/s measured here in the run's precision (best
   of a 2048^3 matmul, measured before and after the runs, as other work on the machine moves it);
 * the peak RSS of a full fine-tune at 2048 tokens (rows left-truncated to 2048, two optimizer
   steps so the AdamW state exists), ZeRO-2 with gradient checkpointing (target <= 4 GB), measured
   with `resource.getrusage` in a subprocess; and the peak RSS of each throughput run.
 
     python bench/bench_sft.py [--rows-per-step 2] [--steps 3] [--repeats 1] [--skip-trl] [--skip-rss]
-                              [--only spa_turns,spa_turns_unmerged,trl_tuned_turns]
+                              [--only spa_turns,spa_turns_unshared,trl_tuned_turns]
 """
 
 from __future__ import annotations
@@ -130,16 +131,16 @@ def matmul_peak(dtype: str = "float32", size: int = 2048, reps: int = 6) -> floa
 
 
 def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int, checkpointing: bool,
-              max_length: int, bf16: bool = False, merge: bool = True) -> dict:
+              max_length: int, bf16: bool = False, share: bool = True) -> dict:
     from stages import sft
     from stages.common.config import load_config
 
-    out = Path(work) / f"spa-{Path(data).stem}-z{stage}-gc{int(checkpointing)}-{max_length}-bf16{int(bf16)}-m{int(merge)}"
+    out = Path(work) / f"spa-{Path(data).stem}-z{stage}-gc{int(checkpointing)}-{max_length}-bf16{int(bf16)}-s{int(share)}"
     config = load_config(None, [], {
         "model.name": MODEL, "model.dtype": "bfloat16" if bf16 else "float32", "sft.data": data, "sft.out": str(out),
         "sft.global_batch": rows_per_step, "sft.stop_after_steps": steps, "sft.zero_stage": stage,
         "sft.gradient_checkpointing": checkpointing, "sft.max_length": max_length, "sft.val_data": "",
-        "sft.merge_turn_rows": merge, "quiet": True})
+        "sft.share_prefix": share, "quiet": True})
     sft.run(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:] or rows
@@ -269,7 +270,8 @@ def main() -> None:
         "spa": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, **rows}),  # the defaults
         "spa_plain_torch": ("spa", {"stage": 0, "checkpointing": False, "max_length": 2048, **rows}),
         "spa_turns": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, **turns}),
-        "spa_turns_unmerged": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "merge": False,
+        "spa_unshared": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "share": False, **rows}),
+        "spa_turns_unshared": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "share": False,
                                        **turns}),
     }
     if bf16:
@@ -301,8 +303,9 @@ def main() -> None:
     peaks.append(run_child("peak"))
     peak = {"float32": max(p["flops"] for p in peaks), "bfloat16": max(p["flops_bf16"] for p in peaks)}
 
-    def mfu(name: str, tokens_per_s: float) -> float:
-        return round(6 * params * tokens_per_s / peak["bfloat16" if name.endswith("bf16") else "float32"], 3)
+    def mfu(name: str, run: dict) -> float:  # FLOPs of the tokens computed (fewer than the rows hold when shared)
+        computed = run["tokens_per_s"] * run.get("computed_tokens_fraction", 1.0)
+        return round(6 * params * computed / peak["bfloat16" if name.endswith("bf16") else "float32"], 3)
 
     result = {
         "model": MODEL, "parameters": params, "device": "cpu", "threads": os.cpu_count(),
@@ -315,7 +318,7 @@ def main() -> None:
         "matmul_peak_gflops": {dtype: round(flops / 1e9, 1) for dtype, flops in peak.items()},
     }
     for name, run in runs.items():
-        result[name] = {**run, "mfu": mfu(name, run["tokens_per_s"])}
+        result[name] = {**run, "mfu": mfu(name, run)}
     for name in runs:
         if name.startswith("trl"):
             ours = "spa_bf16" if name.endswith("bf16") else "spa_turns" if name.endswith("turns") else "spa"

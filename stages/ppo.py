@@ -146,7 +146,7 @@ ADAM_BETAS = (0.9, 0.999)
 STATE_REWARD_METRICS = ("state_reward", "state_reward_observation", "state_reward_prediction")
 #: Settings that may differ between a run and its --resume without changing what is computed.
 RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
-               "gradient_checkpointing", "pack_groups", "deepspeed_config"}
+               "gradient_checkpointing", "share_prefix", "deepspeed_config"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class Models:
     # nothing needs one: vllm rollouts without state perplexity).
     generator: nn.Module | None
     dist: Dist
-    pack: bool  # a group's episodes in one packed sequence (ppo.pack_groups, where the attention allows)
+    pack: bool  # a micro-batch's samples as one prefix tree (ppo.share_prefix, where the attention allows)
 
 
 def build_models(config: SPAConfig) -> Models:
@@ -277,8 +277,8 @@ def build_models(config: SPAConfig) -> Models:
     policy = StepPolicy(lm, config.rollout.temperature, value_lr=ppo.critic_lr if shared else None)
     actor_engine = engine(policy, ppo.actor_lr)
     critic_engine = engine(critic, ppo.critic_lr) if critic is not None else None
-    # flash-attention 2 takes no 4D mask: packed rows need SDPA or eager attention
-    pack = ppo.pack_groups and lm.config._attn_implementation in ("sdpa", "eager")
+    # the tree's attention is spa's SDPA (`stages.common.models.spa_sdpa`)
+    pack = ppo.share_prefix and lm.config._attn_implementation == "sdpa"
     return Models(actor, tokenizer, actor_engine, critic_engine, shared, reference, generator, dist, pack)
 
 

@@ -9,7 +9,7 @@ network allows (`stages.common.spa_data`); each of its rows trains its response.
 
 Each epoch shuffles the rows with (seed, epoch) and cuts them into global batches of
 `global_batch` rows. One optimizer step runs this rank's micro-batches
-(`stages.training.sft_data`: one row each on CPU/SDPA, packed rows under flash-attention 2), adds
+(`stages.training.sft_data`: the rows as one prefix tree, their common tokens computed once), adds
 up the token cross-entropy over the trained tokens (assistant turns: the whole `<think>` with the
 ground-truth `<observation>` and `<prediction>`, the `<answer>`, the end-of-turn token), divides
 by the trained-token count of the whole global batch, and takes one clipped AdamW step on a
@@ -55,9 +55,9 @@ from stages.training.sft_data import (
     collate,
     describe,
     epoch_steps,
-    merge_prefix_rows,
     rank_micro_batches,
     read_rows,
+    step_plan,
     tokenize_rows,
 )
 
@@ -202,6 +202,7 @@ class _Trainer:
         attn = getattr(self.model.config, "_attn_implementation", None) or pick_attention(
             self.config.model.attn_implementation, self.dist.device, None)
         self.pack = cfg.packing if cfg.packing is not None else attn == "flash_attention_2"
+        self.share = cfg.share_prefix and attn == "sdpa"  # the tree's attention is spa's SDPA
         optim = eng.OptimSettings(cfg.lr, tuple(cfg.betas), cfg.weight_decay, cfg.grad_clip, self.total_steps,
                                   cfg.warmup_ratio)
         self.engine = trainable.make_engine(self.model, self.dist, mixed, cfg.zero_stage, optim, cfg.offload,
@@ -264,15 +265,15 @@ class _Trainer:
     def _train_step(self, step_rows: list[int], progress: Progress) -> dict:
         started = time.perf_counter()
         rows = [self.train[r] for r in step_rows]
-        units = merge_prefix_rows(rows) if self.cfg.merge_turn_rows else rows
-        micro = rank_micro_batches(list(range(len(units))), [len(u) for u in units], self.dist.rank, self.dist.world,
-                                   self.cfg.micro_batch_tokens, self.pack)
+        plans = step_plan(rows, self.dist.world, self.cfg.micro_batch_tokens, self.pack, self.share)
+        micro = rank_micro_batches(rows, self.dist.rank, self.dist.world, self.cfg.micro_batch_tokens, self.pack,
+                                   self.share)
         trained = sum(row.trained for row in rows)
-        tokens = sum(len(row) for row in rows)  # the rows' tokens, whether or not merged rows share them
+        tokens = sum(len(row) for row in rows)  # the rows' tokens, whether or not computed once
         lr, loss_sum = self.engine.lr, 0.0
         self.engine.module.train()
         for i, mb in enumerate(micro):
-            ce = token_ce_sum(self.engine, collate([units[u] for u in mb.rows], self.dist.device))
+            ce = token_ce_sum(self.engine, collate([rows[u] for u in mb.rows], self.dist.device, self.share))
             self.engine.backward(ce * (mb.weight / trained), last=i == len(micro) - 1)
             loss_sum += ce.item() * mb.weight
         grad_norm = self.engine.step()
@@ -284,7 +285,8 @@ class _Trainer:
         progress.train_seconds += seconds
         return {"step": progress.global_step, "epoch": round(progress.epoch + progress.step / self.steps_per_epoch, 4),
                 "loss": loss_sum / trained, "val_loss": None, "lr": lr, "grad_norm": grad_norm,
-                "tokens": tokens, "computed_tokens": sum(len(u) for u in units), "trained_tokens": trained,
+                "tokens": tokens, "computed_tokens": sum(mb.tokens for plan in plans for mb in plan),
+                "trained_tokens": trained,
                 "tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 3)}
 
     def _evaluate(self) -> float | None:
@@ -360,14 +362,21 @@ class _Trainer:
         return result
 
 
-def token_ce_sum(engine, batch: dict):
-    """Summed cross-entropy of the trained tokens of one micro-batch; logits only where needed."""
+def token_ce(engine, batch: dict):
+    """Cross-entropy of each trained token of one micro-batch (``batch["rows"]`` names each one's
+    row); logits only where needed."""
     import torch.nn.functional as F
 
-    out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                 logits_to_keep=batch["keep"], use_cache=False)
+    packed = {"attention_mask": batch["attention_mask"], "packed_layout": batch["layout"]} if "layout" in batch else {}
+    out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=batch["keep"],
+                 use_cache=False, **packed)
     logits = out.logits.flatten(0, 1)  # a view: its backward allocates nothing (logits[0] would)
-    return F.cross_entropy(logits.float(), batch["targets"], reduction="sum")
+    return F.cross_entropy(logits.float(), batch["targets"], reduction="none")
+
+
+def token_ce_sum(engine, batch: dict):
+    """Summed cross-entropy of the trained tokens of one micro-batch."""
+    return token_ce(engine, batch).sum()
 
 
 def _figures(row: dict) -> str:

@@ -1,6 +1,14 @@
-"""Packing a group's episodes into one sequence (their shared first prompt once): the actor's
-log-probs, the critic's values and the gradients equal the unpacked passes', with the packed
-rows' attention computed block by block (`packed_attention`, as `load_model` sets SDPA up)."""
+"""Packing a micro-batch's episodes into one prefix-tree sequence (what all share once, each
+group's first prompt once): the actor's log-probs, the critic's values and the gradients equal the
+unshared passes', with the attention computed node by node (`tree_attention`, as `load_model`
+sets SDPA up).
+
+Tolerances (fp32, unit roundoff u = 2**-24 ~ 6e-8): shared and unshared passes compute the same
+sums of the same terms, only grouped differently by the kernels (other shapes), so each sum may
+differ by at most ~n u of its terms' magnitude, n <= 128 terms here (sequence and hidden sizes):
+~1e-5 per sum, a few sums in series per layer over two layers (and the backward once more):
+1e-4 relative, with an absolute floor of 1e-4 x the tensor's largest entry for entries near 0.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +16,19 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from stages.common import models
+from stages.common import models, prefix_tree
 from stages.training import loss_agg
 from stages.training import ppo_algos as algos
 from stages.training.policy import StepPolicy, ValueModel
-from stages.training.ppo_samples import (
-    Sample,
-    collate,
-    micro_batches,
-    pack_row,
-    packed_length,
-    score,
-    shared_prefix,
-    step_count,
-)
+from stages.training.ppo_samples import Sample, collate, micro_batches, score, step_count
 
 PAD = 0
+RTOL = 1e-4
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    floor = RTOL * float(expected.detach().abs().max()) if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=floor, msg=msg or None)
 
 
 def sample(ids: list[int], first_step: int, group: int) -> Sample:
@@ -37,15 +42,17 @@ def sample(ids: list[int], first_step: int, group: int) -> Sample:
 
 
 def two_groups(vocab: int) -> list[Sample]:
-    """Group 0: three episodes sharing a 24-token prompt; one continues like another for two tokens
-    (their sampled starts coincide). Group 1: two episodes sharing 17 tokens. Steps start inside the
-    shared prompt, so some steps are predicted from prefix positions."""
+    """Two groups behind a 6-token instruction they all share. Group 0: three episodes sharing a
+    24-token prompt; one continues like another for two tokens (their sampled starts coincide).
+    Group 1: two episodes sharing 17 tokens. Steps start inside the shared prompt, so some steps
+    are predicted from prefix positions."""
     g = torch.Generator().manual_seed(0)
 
     def tokens(n):
         return torch.randint(5, vocab, (n,), generator=g).tolist()
 
-    prompt0, prompt1 = tokens(24), tokens(17)
+    instruction = tokens(6)
+    prompt0, prompt1 = instruction + tokens(18), instruction + tokens(11)
     a = prompt0 + tokens(9)
     b = prompt0 + a[24:26] + tokens(6)
     c = prompt0 + tokens(14)
@@ -54,68 +61,110 @@ def two_groups(vocab: int) -> list[Sample]:
     return [sample(a, 20, 0), sample(b, 20, 0), sample(c, 22, 0), sample(d, 3, 1), sample(e, 16, 1)]
 
 
-def test_pack_row_lays_out_prefix_and_continuations():
-    row = [sample([1, 2, 3, 7, 8], 1, 0), sample([1, 2, 3, 9], 1, 0)]
-    assert shared_prefix(row) == 3 and packed_length(row) == 3 + 2 + 1
-    ids, positions, mask, where = pack_row(row)
-    assert ids.tolist() == [1, 2, 3, 7, 8, 9]
-    assert positions.tolist() == [0, 1, 2, 3, 4, 3]
-    assert [w.tolist() for w in where] == [[0, 1, 2, 3, 4], [0, 1, 2, 5]]
-    assert mask.int().tolist() == [[1, 0, 0, 0, 0, 0],
-                                   [1, 1, 0, 0, 0, 0],
-                                   [1, 1, 1, 0, 0, 0],
-                                   [1, 1, 1, 1, 0, 0],
-                                   [1, 1, 1, 1, 1, 0],
-                                   [1, 1, 1, 0, 0, 1]]
-    # identical episodes keep one token each of their own
-    twins = [sample([1, 2, 3], 1, 0), sample([1, 2, 3], 1, 0)]
-    assert shared_prefix(twins) == 2 and pack_row(twins)[0].tolist() == [1, 2, 3, 3]
+def test_pack_lays_out_a_prefix_tree():
+    rows = [[1, 2, 3, 7, 8], [1, 2, 3, 9], [1, 2, 3], [5, 6], [1, 2, 3, 7, 4]]
+    packed = prefix_tree.pack(rows)
+    assert packed.ids == [1, 2, 3, 7, 4, 8, 9, 5, 6]
+    assert packed.positions == [0, 1, 2, 3, 4, 4, 3, 0, 1]
+    assert packed.nodes == [(0, 3, -1), (3, 4, 0), (4, 5, 1), (5, 6, 1), (6, 7, 0), (7, 9, -1)]
+    assert packed.where == [[0, 1, 2, 3, 5], [0, 1, 2, 6], [0, 1, 2], [7, 8], [0, 1, 2, 3, 4]]
+    assert prefix_tree.packed_length(rows) == len(packed) == 9
+    for row, where in zip(rows, packed.where, strict=True):  # every row reads back from its indices
+        assert [packed.ids[i] for i in where] == row and [packed.positions[i] for i in where] == list(range(len(row)))
+    mask = prefix_tree.TreeLayout(packed.nodes).dense_mask()
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0, 0, 0, 0, 0],
+                                   [1, 1, 0, 0, 0, 0, 0, 0, 0],
+                                   [1, 1, 1, 0, 0, 0, 0, 0, 0],
+                                   [1, 1, 1, 1, 0, 0, 0, 0, 0],
+                                   [1, 1, 1, 1, 1, 0, 0, 0, 0],
+                                   [1, 1, 1, 1, 0, 1, 0, 0, 0],
+                                   [1, 1, 1, 0, 0, 0, 1, 0, 0],
+                                   [0, 0, 0, 0, 0, 0, 0, 1, 0],
+                                   [0, 0, 0, 0, 0, 0, 0, 1, 1]]
+    twins = prefix_tree.pack([[4, 5, 6], [4, 5, 6]])  # identical rows share every token
+    assert twins.ids == [4, 5, 6] and twins.where == [[0, 1, 2], [0, 1, 2]]
 
 
-def test_micro_batches_pack_groups_within_the_token_budget():
+def test_micro_batches_share_within_the_token_budget():
     samples = two_groups(vocab=50)
-    rows = [[s.group for s in row] for micro in micro_batches(samples, 4096, pack=True) for row in micro]
-    assert sorted(rows) == [[0, 0, 0], [1, 1]]
-    budget = 24 + 9 + 8  # group 0 no longer fits one row: it is split, each part still packed
-    micros = micro_batches(samples, budget, pack=True)
-    assert all(packed_length(row) * len(micro) <= budget or len(micro) == 1 for micro in micros for row in micro)
-    assert sorted(len(s.ids) for micro in micros for row in micro for s in row) == sorted(len(s.ids) for s in samples)
-    unpacked = micro_batches(samples, 4096)
-    assert all(len(row) == 1 for micro in unpacked for row in micro)
+    (only,) = micro_batches(samples, 4096, share=True)
+    assert len(only) == 1 and sorted(s.group for s in only[0]) == [0, 0, 0, 1, 1]
+    assert prefix_tree.packed_length([s.ids.tolist() for s in only[0]]) == 6 + 18 + 9 + 6 + 14 + 11 + 5 + 11
+    budget = 6 + 11 + 5 + 11 + 18 + 9  # no longer one tree: cut where the next sample would exceed it
+    micros = micro_batches(samples, budget, share=True)
+    assert len(micros) > 1 and all(len(micro) == 1 for micro in micros)
+    assert all(prefix_tree.packed_length([s.ids.tolist() for s in micro[0]]) <= budget for micro in micros)
+    assert sorted(len(s.ids) for micro in micros for s in micro[0]) == sorted(len(s.ids) for s in samples)
+    unshared = micro_batches(samples, 4096)
+    assert all(len(row) == 1 for micro in unshared for row in micro)
 
 
-def test_packed_attention_equals_sdpa_under_the_packed_mask():
-    """Block by block (grouped heads: 6 query heads on 2 key/value heads; a padded row) gives the
-    outputs and input gradients of transformers' SDPA under `pack_row`'s dense mask, at every real
-    position; padding positions get zeros."""
+def attention_inputs(length: int, heads=(6, 2, 2), seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(1, h, length, 8, generator=g, requires_grad=True) for h in heads]
+    return inputs, torch.randn(1, length, heads[0], 8, generator=g)
+
+
+def outputs_and_grads(attend, inputs, weights):
+    out = attend(*inputs)
+    return out, torch.autograd.grad((out * weights).sum(), inputs)
+
+
+def test_tree_attention_equals_sdpa_under_the_dense_tree_mask():
+    """Node by node (grouped heads: 6 query heads on 2 key/value heads) gives the outputs and input
+    gradients of transformers' SDPA under the tree's dense mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    batch = collate(micro_batches(two_groups(vocab=50), 4096, pack=True)[0], "cpu", PAD)
-    assert batch["segments"] == [(17, [5, 11]), (24, [9, 8, 14])]  # shortest row first
-    width = batch["input_ids"].shape[1]
-    real = torch.zeros(2, width, dtype=torch.bool)
-    real[0, :17 + 5 + 11], real[1] = True, True
-    g = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(2, heads, width, 8, generator=g, requires_grad=True) for heads in (6, 2, 2)]
-    weights = torch.randn(2, width, 6, 8, generator=g)
+    layout = collate(micro_batches(two_groups(vocab=50), 4096, share=True)[0], "cpu", PAD)["layout"]
+    inputs, weights = attention_inputs(layout.length)
     module = torch.nn.Module().train()
     module.num_key_value_groups, module.is_causal = 3, True
-    outputs = []
-    for attend in (lambda q, k, v: sdpa_attention_forward(module, q, k, v, batch["attention_mask"], scaling=0.3)[0],
-                   lambda q, k, v: models.packed_attention(q, k, v, batch["segments"], scaling=0.3)[0]):
-        out = attend(*inputs)
-        grads = torch.autograd.grad((out * weights)[real].sum(), inputs)
-        outputs.append((out, grads))
-    (dense, dense_grads), (blocks, block_grads) = outputs
-    torch.testing.assert_close(blocks[real], dense[real], rtol=1e-5, atol=1e-6)
-    assert not blocks[~real].any()
-    for ours, stock in zip(block_grads, dense_grads, strict=True):
-        torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-6)
+    dense = outputs_and_grads(lambda q, k, v: sdpa_attention_forward(
+        module, q, k, v, layout.dense_mask()[None, None], scaling=0.3)[0], inputs, weights)
+    tree = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, scaling=0.3)[0],
+                             inputs, weights)
+    for ours, stock in zip([tree[0], *tree[1]], [dense[0], *dense[1]], strict=True):
+        assert_close(ours, stock)
+
+
+def test_flex_attention_mask_mod_is_the_tree_and_matches_sdpa_per_node():
+    """FlexAttention's path, eager on the CPU (which has no FlexAttention backward: the gradients
+    are checked on CUDA, below): its mask_mod expands to the tree's dense mask, and its outputs
+    equal the per-node SDPA path's."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    layout = collate(micro_batches(two_groups(vocab=50), 4096, share=True)[0], "cpu", PAD)["layout"]
+    expanded = create_mask(layout.mask_mod(), 1, 1, layout.length, layout.length, device="cpu")
+    assert torch.equal(expanded[0, 0], layout.dense_mask())
+    q, k, v = (x.detach() for x in attention_inputs(layout.length)[0])
+    with torch.no_grad():
+        flex = prefix_tree.tree_attention(q, k, v, layout, scaling=0.3, flex=True)[0]
+        nodes = prefix_tree.tree_attention(q, k, v, layout, scaling=0.3, flex=False)[0]
+    assert_close(flex, nodes)
+
+
+@pytest.mark.gpu
+def test_compiled_flex_attention_equals_sdpa_per_node_on_cuda():
+    """The CUDA path (compiled FlexAttention, bf16 inputs) against the per-node SDPA path, on a
+    tree of many nodes; bf16's unit roundoff 2**-8 over sums of up to 64 terms bounds the gap."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    batch = collate(micro_batches(two_groups(vocab=50), 4096, share=True)[0], "cuda", PAD)
+    layout = batch["layout"]
+    inputs, weights = attention_inputs(layout.length)
+    inputs = [x.detach().cuda().bfloat16().requires_grad_() for x in inputs]
+    weights = weights.cuda().bfloat16()
+    flex = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, flex=True)[0],
+                             inputs, weights)
+    nodes = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, flex=False)[0],
+                              inputs, weights)
+    for ours, theirs in zip([flex[0], *flex[1]], [nodes[0], *nodes[1]], strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=5e-2, atol=5e-2 * float(theirs.abs().max()))
 
 
 @pytest.fixture(scope="module")
 def networks(tokenizer):
-    models._use_spa_sdpa()  # as load_model does: packed rows take `packed_attention`
+    models._use_spa_sdpa()  # as load_model does: packed rows take `tree_attention`
     torch.manual_seed(0)
     actor = tiny_model(tokenizer, seed=1)
     critic = ValueModel(tiny_model(tokenizer, seed=2))
@@ -128,24 +177,24 @@ def test_packed_scores_equal_unpacked(networks, tokenizer, field):
     policy, critic = networks
     forward = critic if field == "values" else policy
     unpacked, packed = two_groups(len(tokenizer)), two_groups(len(tokenizer))
-    score(forward, [(micro, 1.0) for micro in micro_batches(unpacked, 4096, pack=False)], (field,), "cpu", PAD)
-    score(forward, [(micro, 1.0) for micro in micro_batches(packed, 4096, pack=True)], (field,), "cpu", PAD)
+    score(forward, [(micro, 1.0) for micro in micro_batches(unpacked, 4096, share=False)], (field,), "cpu", PAD)
+    score(forward, [(micro, 1.0) for micro in micro_batches(packed, 4096, share=True)], (field,), "cpu", PAD)
     for a, b in zip(unpacked, packed, strict=True):
-        torch.testing.assert_close(getattr(b, field), getattr(a, field), rtol=1e-5, atol=1e-5)
+        assert_close(getattr(b, field), getattr(a, field))
 
 
-def test_packed_batches_take_the_block_by_block_attention(networks, tokenizer, monkeypatch):
-    original, calls = models.packed_attention, []
+def test_packed_batches_take_the_tree_attention(networks, tokenizer, monkeypatch):
+    original, calls = prefix_tree.tree_attention, []
 
     def counted(*args, **kwargs):
-        calls.append(args[3])  # the segments
+        calls.append(args[3])  # the layout
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(models, "packed_attention", counted)
+    monkeypatch.setattr(prefix_tree, "tree_attention", counted)
     _, critic = networks
-    batch = collate(micro_batches(two_groups(len(tokenizer)), 4096, pack=True)[0], "cpu", PAD)
+    batch = collate(micro_batches(two_groups(len(tokenizer)), 4096, share=True)[0], "cpu", PAD)
     critic(**batch)
-    assert calls and all(segments == batch["segments"] for segments in calls)
+    assert len(calls) == 2 and all(layout is batch["layout"] for layout in calls)  # one per layer
 
 
 @pytest.mark.parametrize("mode", loss_agg.LOSS_AGGS)
@@ -155,7 +204,7 @@ def test_packed_gradients_equal_unpacked(networks, tokenizer, mode):
     accumulation, the same loss and the same gradient for every parameter (to 1e-5 relative, fp32)."""
     policy, critic = networks
 
-    def gradients(pack: bool, budget: int) -> tuple[float, dict[str, torch.Tensor]]:
+    def gradients(share: bool, budget: int) -> tuple[float, dict[str, torch.Tensor]]:
         samples = two_groups(len(tokenizer))
         g = torch.Generator().manual_seed(3)
         for s in samples:
@@ -165,7 +214,7 @@ def test_packed_gradients_equal_unpacked(networks, tokenizer, mode):
         normalizer = loss_agg.batch_normalizer(mode, sum(s.steps for s in samples), len(samples))
         policy.zero_grad()
         critic.zero_grad()
-        total, micros = 0.0, micro_batches(samples, budget, pack)
+        total, micros = 0.0, micro_batches(samples, budget, share)
         for rows in micros:
             batch = collate(rows, "cpu", PAD)
             ordered = [s for row in rows for s in row]
@@ -185,8 +234,8 @@ def test_packed_gradients_equal_unpacked(networks, tokenizer, mode):
         named = list(policy.named_parameters()) + [(f"critic.{n}", p) for n, p in critic.named_parameters()]
         return total, {name: p.grad.clone() for name, p in named if p.grad is not None}
 
-    loss_a, grads_a = gradients(pack=False, budget=4096)
-    loss_b, grads_b = gradients(pack=True, budget=80)
+    loss_a, grads_a = gradients(share=False, budget=4096)
+    loss_b, grads_b = gradients(share=True, budget=80)
     assert loss_b == pytest.approx(loss_a, rel=1e-5)
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
     for name in grads_a:

@@ -230,6 +230,20 @@ def test_collate_keeps_positions_whose_next_token_is_trained():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert batch["keep"].tolist() == [1, 2, 4]
     assert batch["targets"].tolist() == [12, 13, 21]
+    assert batch["rows"].tolist() == [0, 0, 1]
+
+
+def test_collate_shares_the_common_prefix_and_keeps_each_rows_targets():
+    a = Example("a", [10, 11, 12, 13], [0, 0, 1, 1])
+    b = Example("b", [10, 11, 14], [0, 1, 1])
+    c = Example("c", [10, 11, 12], [0, 0, 1])  # a's beginning: computed inside a
+    batch = collate([a, b, c], share=True)
+    assert batch["input_ids"].tolist() == [[10, 11, 12, 13, 14]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 2]]
+    assert batch["layout"].nodes == [(0, 2, -1), (2, 3, 0), (3, 4, 1), (4, 5, 0)]
+    assert batch["keep"].tolist() == [1, 2, 0, 1, 1]  # 12 and 13 of a; 11 and 14 of b; 12 of c
+    assert batch["targets"].tolist() == [12, 13, 11, 14, 12]
+    assert batch["rows"].tolist() == [0, 0, 1, 1, 2]
 
 
 def test_epoch_plan_and_micro_batches():
@@ -237,13 +251,25 @@ def test_epoch_plan_and_micro_batches():
     assert [len(s) for s in steps] == [4, 4, 2] and sorted(itertools.chain(*steps)) == list(range(10))
     assert steps == epoch_steps(10, 0, 1, 4) and steps != epoch_steps(10, 1, 1, 4)
     lengths = [900, 800, 300, 100, 50]
-    per_rank = [rank_micro_batches(list(range(5)), lengths, r, 2, 1000, pack=True) for r in range(2)]
-    assert len(per_rank[0]) == len(per_rank[1])  # ranks stay in step (fillers weigh 0)
-    real = sorted(r for mbs in per_rank for mb in mbs if mb.weight for r in mb.rows)
-    assert real == list(range(5))
-    assert all(sum(lengths[r] for r in mb.rows) <= 1000 for mbs in per_rank for mb in mbs)
-    unpacked = rank_micro_batches(list(range(5)), lengths, 0, 1, 1000, pack=False)
+    examples = [Example(str(i), [i + 1] * n, [0] + [1] * (n - 1)) for i, n in enumerate(lengths)]
+    for share in (False, True):
+        per_rank = [rank_micro_batches(examples, r, 2, 1000, pack=True, share=share) for r in range(2)]
+        assert len(per_rank[0]) == len(per_rank[1])  # ranks stay in step (fillers weigh 0)
+        real = sorted(r for mbs in per_rank for mb in mbs if mb.weight for r in mb.rows)
+        assert real == list(range(5))
+        assert all(sum(lengths[r] for r in mb.rows) == mb.tokens <= 1000 for mbs in per_rank for mb in mbs)
+    unpacked = rank_micro_batches(examples, 0, 1, 1000, pack=False)
     assert [mb.rows for mb in unpacked] == [[0], [1], [2], [3], [4]]
+
+
+def test_shared_micro_batches_count_computed_tokens_within_the_budget():
+    prompt = list(range(100, 160))
+    examples = [Example(str(i), prompt + [i] * (10 + i), [0] * 60 + [1] * (10 + i)) for i in range(6)]
+    (only,) = rank_micro_batches(examples, 0, 1, 10_000, share=True)
+    assert sorted(only.rows) == list(range(6)) and only.tokens == 60 + sum(10 + i for i in range(6))
+    split = rank_micro_batches(examples, 0, 1, 60 + 10 + 11 + 12, share=True)
+    assert [mb.rows for mb in split] == [[0, 1, 2], [3, 4], [5]]  # token order; a full tree starts the next
+    assert [mb.tokens for mb in split] == [93, 60 + 13 + 14, 75]
 
 
 def test_packed_rows_give_the_same_loss_as_separate_rows(tokenizer, tiny_model_dir):
@@ -366,6 +392,23 @@ def test_deepspeed_zero2_matches_plain_torch_and_resumes_exactly(data, tiny_mode
     sft.run(make_config(data, tiny_model_dir, out, zero_stage=2, stop_after_steps=2))
     sft.run(make_config(data, tiny_model_dir, out, zero_stage=2, resume=True))
     assert losses(out) == losses(straight)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shared_prefix_trains_as_unshared_rows_do_under_zero(stage, data, tiny_model_dir, tmp_path):
+    """ZeRO-2 and ZeRO-3 on DeepSpeed's CPU accelerator, rows' common prefixes computed once or
+    not: fewer tokens computed, the same loss at every step (each after the previous steps'
+    updates, so the gradients agree too; fp32, the tolerance of the gradient test above)."""
+    runs = {}
+    for share in (False, True):
+        out = tmp_path / f"share-{share}"
+        sft.run(make_config(data, tiny_model_dir, out, zero_stage=stage, share_prefix=share))
+        runs[share] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    unshared, shared = runs[False], runs[True]
+    assert [m["tokens"] for m in shared] == [m["tokens"] for m in unshared]
+    assert all(m["computed_tokens"] == m["tokens"] for m in unshared)
+    assert all(s["computed_tokens"] < s["tokens"] for s in shared)
+    assert [m["loss"] for m in shared] == pytest.approx([m["loss"] for m in unshared], rel=1e-4)
 
 
 def test_a_finished_run_leaves_no_model_behind(data, tiny_model_dir, tmp_path):
@@ -541,7 +584,7 @@ def test_two_processes_under_torchrun_match_one_process(data, tiny_model_dir, tm
     assert (two / "final" / "model.safetensors").is_file()
 
 
-# ---- one row per turn, merged ----------------------------------------------------------------------
+# ---- one row per turn, shared ----------------------------------------------------------------------
 
 
 def turn_rows(rng: random.Random, source: str, turns: int) -> list[dict]:
@@ -568,39 +611,50 @@ def test_epoch_steps_keep_a_trajectorys_rows_together():
     assert epoch_steps(7, 3, 5, 2, sources=list("abcdefg")) == epoch_steps(7, 3, 5, 2)
 
 
-def test_merged_turn_rows_give_the_same_loss_and_gradients(tokenizer, tiny_model_dir):
+def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_model_dir):
+    """Turn rows of two trajectories and whole-trajectory rows under two system prompts (the
+    world-model and the base prompt's mix), in shared micro-batches: every row's summed loss and
+    every parameter's gradient equal those of the rows computed one by one (fp32).
+
+    Tolerance: both compute the same sums of the same terms, grouped differently by the kernels;
+    fp32's unit roundoff 2**-24 over sums of up to ~512 terms (tokens, hidden size) bounds each
+    sum's change by ~3e-5 of its terms' magnitude, over two layers: 1e-4 relative, with a floor of
+    1e-4 x the largest entry for entries near 0."""
     from transformers import AutoModelForCausalLM
 
-    from stages.sft import token_ce_sum
-    from stages.training.sft_data import merge_prefix_rows
+    from stages.common import models
+    from stages.sft import token_ce
 
     rng = random.Random(4)
-    rows = turn_rows(rng, "s0", 3) + turn_rows(rng, "s1", 2)
+    rows = turn_rows(rng, "s0", 3) + turn_rows(rng, "s1", 2) + [{"messages": conversation(rng, 2)} for _ in range(2)]
+    for _ in range(2):
+        messages = conversation(rng, 2)
+        messages[0] = {"role": "system", "content": "You are a helpful assistant. Think, then answer."}
+        rows.append({"messages": messages})
     examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
-    merged = merge_prefix_rows(examples)
-    assert len(merged) == 2 and sorted(len(m) for m in merged) == sorted(
-        max(len(e) for e in examples if e.source == s) for s in ("s0", "s1"))
-    assert sum(m.trained for m in merged) == sum(e.trained for e in examples)
-    longest = max(examples, key=len)
-    host = next(m for m in merged if m.source == longest.source)
-    assert host.input_ids == longest.input_ids
-    assert [t for t, c in enumerate(host.mask) if c] == sorted(
-        t for e in examples if e.source == longest.source for t, c in enumerate(e.mask) if c)
+    models._use_spa_sdpa()  # as load_model does
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-
-    def ce_and_grads(units):
+    def losses_and_grads(plan, share):
         model.zero_grad()
-        total = sum(token_ce_sum(model, collate([u], "cpu")) for u in units)
-        total.backward()
-        return total.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        per_row = torch.zeros(len(examples))
+        for mb in plan:
+            batch = collate([examples[i] for i in mb.rows], "cpu", share)
+            per_row = per_row.index_add(0, torch.tensor(mb.rows)[batch["rows"]], token_ce(model, batch))
+        per_row.sum().backward()
+        return per_row.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    separate, grads_separate = ce_and_grads(examples)
-    together, grads_together = ce_and_grads(merged)
-    assert together == pytest.approx(separate, rel=1e-5)
-    for name, expected in grads_separate.items():  # float sums in another order: 1e-6 of the largest entry
-        scale = expected.abs().max().item()
-        torch.testing.assert_close(grads_together[name], expected, rtol=1e-4, atol=1e-6 * scale, msg=name)
+    shared = rank_micro_batches(examples, 0, 1, 1200, share=True)
+    assert 1 < len(shared) < len(examples)
+    assert sum(mb.tokens for mb in shared) < 0.8 * sum(len(e) for e in examples)  # 1830 of 2492
+    alone, grads_alone = losses_and_grads(rank_micro_batches(examples, 0, 1, 1200), share=False)
+    together, grads_together = losses_and_grads(shared, share=True)
+    assert (alone > 0).all()
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=0)
+    assert len(grads_alone) > 10 and grads_alone.keys() == grads_together.keys()
+    for name, expected in grads_alone.items():
+        floor = 1e-4 * expected.abs().max().item()
+        torch.testing.assert_close(grads_together[name], expected, rtol=1e-4, atol=floor, msg=name)
 
 
 def test_turn_rows_train_in_fewer_computed_tokens(tmp_path, tiny_model_dir):

@@ -162,16 +162,3 @@ def visible_text(completion: Completion, tokenizer: Any | None) -> str:
         if marker and text.endswith(marker):
             text = text[: -len(marker)]
     return text
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two id sequences share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, step = 0, 256
-    while lo + step <= n and a[lo:lo + step] == b[lo:lo + step]:  # whole blocks first: list slices are fast
-        lo += step
-    while a[lo] == b[lo]:
-        lo += 1
-    return lo

@@ -207,8 +207,8 @@ class CleanConfig(_Section):
     out: str = setting("runs/sft.jsonl", help="The SFT rows to write (and their `.val.jsonl`).")
     unit: Literal["trajectory", "turn"] = setting("trajectory", help=(
         '"trajectory": one row per episode, every assistant turn trained (each token computed once); '
-        '"turn": one row per turn, as SPA\'s data (sft.merge_turn_rows then computes a trajectory\'s rows '
-        "together)."), paper="turn (one row per assistant turn)")
+        '"turn": one row per turn, as SPA\'s data (sft.share_prefix then computes the history they repeat '
+        "once)."), paper="turn (one row per assistant turn)")
     states: Literal["ground_truth", "self_belief"] = setting("ground_truth", help=(
         '"ground_truth": the <observation> and <prediction> become the true states (SPA); "self_belief" '
         "keeps the model's own states (the paper's Table 3 ablation)."), paper="ground_truth")
@@ -306,11 +306,16 @@ class SFTConfig(TrainingConfig):
     packing: bool | None = setting(None, help=(
         "Several rows in one micro-batch sequence; null: only with flash-attention 2, whose varlen kernel "
         "skips the work across rows (stages/training/sft_data.py)."))
+    share_prefix: bool = setting(True, help=(
+        "Compute the tokens the rows of a micro-batch share (the system prompt and instruction every row "
+        "begins with, the earlier turns a turn row repeats) once: one sequence laid out as a prefix tree, "
+        "the same losses and gradients for fewer tokens; rows are grouped into micro-batches by their tokens "
+        "(stages/training/sft_data.py). SDPA attention only: with flash-attention 2 the rows are packed "
+        "unshared. false: for comparison."))
     merge_turn_rows: bool = setting(True, help=(
-        "With one row per turn (clean.unit: turn): keep a trajectory's rows in one optimizer step and "
-        "compute them as one sequence, each turn's loss from the longest row (the same loss terms, for the "
-        "tokens of one row per trajectory). false shuffles the rows one by one (SPA's order), each computed "
-        "alone."))
+        "With one row per turn (clean.unit: turn): keep a trajectory's rows together in one optimizer step, "
+        "where share_prefix computes the turns they repeat once. false shuffles the rows one by one (SPA's "
+        "order)."))
     save_every_steps: int = setting(0, ge=0, help=(
         "Also save the resumable state every N optimizer steps (0: at the end of each epoch only), for "
         "long epochs on machines that may stop."))
@@ -376,10 +381,11 @@ class PPOConfig(TrainingConfig):
         '(every episode weighs the same: the mean of its token mean), "seq-mean-token-sum" (the mean over '
         "episodes of their token sums). The actor's and the critic's losses, the entropy and KL terms alike."),
         paper="seq-mean-token-mean (SPA's runs: verl's token-mean per micro-batch of one episode)")
-    pack_groups: bool = setting(True, help=(
-        "Compute the first prompt a group's episodes share once per group, in one packed sequence per "
-        "group (stages/training/ppo_samples.py): the same losses and gradients, fewer tokens. SDPA/eager "
-        "attention only: with flash-attention 2 the episodes are passed unpacked."))
+    share_prefix: bool = setting(True, help=(
+        "Compute the tokens the episodes of a micro-batch share (the instruction, each group's first prompt) "
+        "once: one sequence laid out as a prefix tree (stages/training/ppo_samples.py), the same losses and "
+        "gradients for fewer tokens. SDPA attention only: with flash-attention 2 the episodes are passed "
+        "unshared. false: one padded row per episode, for comparison."))
     old_logprobs: Literal["trainer", "sampler"] = setting("trainer", help=(
         'Where the old log-probs of the ratio come from: "trainer" (a no-grad pass of the actor; the '
         'logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout\'s own, which saves '

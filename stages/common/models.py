@@ -30,13 +30,11 @@ registers `spa_sdpa` under the name "sdpa": where the installed transformers lac
 one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value head serves its
 `n_rep` query heads without copying the cache (`single_query_sdpa`).
 
-Packed training rows (PPO's `ppo.pack_groups`: a group's shared first prompt once, then each
-episode's own tokens) see each other only through a block-structured mask. Given as a dense mask,
-SDPA computes every block, masked or not: on the bundled model's packed Sokoban rows (a prompt of
-a few hundred tokens, then four episodes of ~200) about a third of that work is needed. A model
-call that passes ``packed_segments`` (one ``(shared, [own lengths])`` per row, in
-`packed_attention`'s layout) gets attention computed block by block instead, with the same
-outputs; every other call is transformers' SDPA.
+Prefix-tree-packed training rows (`stages.common.prefix_tree`: the prefix several rows share
+computed once) see each other only through a tree-structured mask; given as a dense mask, SDPA
+would compute every block, masked or not. A model call that passes ``packed_layout`` (a
+`TreeLayout`) gets `tree_attention` instead, with the same outputs; every other call is
+transformers' SDPA.
 """
 
 from __future__ import annotations
@@ -408,62 +406,22 @@ def load_model(config: ModelConfig, device: str | None = None, dtype: str | None
 
 
 def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-             packed_segments=None, **kwargs):
-    """transformers' SDPA attention, computed block by block for packed rows (``packed_segments``,
-    see `packed_attention`) and without copying the KV cache for a one-token query under grouped
-    heads where transformers lacks that itself (`single_query_sdpa`). Same outputs."""
+             packed_layout=None, **kwargs):
+    """transformers' SDPA attention, computed node by node for a prefix-tree-packed sequence
+    (``packed_layout``, `stages.common.prefix_tree.tree_attention`) and without copying the KV
+    cache for a one-token query under grouped heads where transformers lacks that itself
+    (`single_query_sdpa`). Same outputs."""
     from transformers.integrations import sdpa_attention
 
-    if packed_segments is not None:
-        return packed_attention(query, key, value, packed_segments, scaling, dropout if module.training else 0.0)
+    if packed_layout is not None:
+        from stages.common.prefix_tree import tree_attention
+
+        return tree_attention(query, key, value, packed_layout, scaling, dropout if module.training else 0.0)
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
         return single_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
     return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                                  scaling=scaling, is_causal=is_causal, **kwargs)
-
-
-def packed_attention(query, key, value, segments, scaling=None, dropout: float = 0.0):
-    """Attention of packed rows, one block at a time; returns ``([rows, T, heads, dim], None)``
-    like transformers' attention functions.
-
-    Row r of ``query``/``key``/``value`` (``[rows, heads or kv_heads, T, dim]``) holds ``shared``
-    tokens every member of the row sees, then each member's own tokens (``own`` lengths, in order),
-    then padding: ``segments[r] == (shared, [own, ...])``. The shared tokens attend causally among
-    themselves; a member's tokens attend to all shared tokens and causally to their own, never to
-    another member's. That is the mask `stages.training.ppo_samples.pack_row` writes (``shared`` 0:
-    independent causal rows one after another), but no masked block is computed. Padding positions
-    get zeros.
-    """
-    import torch
-    import torch.nn.functional as F
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-
-    def attend(q, k, v, mask=None):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                              scale=scaling)
-
-    rows = []
-    for r, (shared, owns) in enumerate(segments):
-        q, k, v = query[r:r + 1], key[r:r + 1], value[r:r + 1]
-        blocks = [attend(q[:, :, :shared], k[:, :, :shared], v[:, :, :shared])] if shared else []
-        start = shared
-        for own in owns:
-            end = start + own
-            if shared:  # all of the shared part, then causal within its own tokens
-                mask = torch.ones(own, shared + own, dtype=torch.bool, device=q.device).tril(diagonal=shared)
-                blocks.append(attend(q[:, :, start:end], torch.cat([k[:, :, :shared], k[:, :, start:end]], dim=2),
-                                     torch.cat([v[:, :, :shared], v[:, :, start:end]], dim=2), mask))
-            else:
-                blocks.append(attend(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]))
-            start = end
-        if start < q.shape[2]:
-            blocks.append(q.new_zeros(1, q.shape[1], q.shape[2] - start, value.shape[-1]))
-        rows.append(torch.cat(blocks, dim=2))
-    return torch.cat(rows).transpose(1, 2).contiguous(), None
 
 
 def single_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,

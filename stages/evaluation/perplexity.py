@@ -10,10 +10,10 @@ from typing import Any
 import envs
 from envs import TextGameEnv, render_modes
 from stages.agent import prompts
-from stages.agent.context import common_prefix_len
 from stages.agent.env_manager import make_env
 from stages.common.config import EnvConfig
 from stages.common.errors import UserError
+from stages.common.prefix_tree import common_prefix_len
 
 #: Random actions taken from a fresh reset to reach the states whose perplexity is measured.
 STATE_PPL_RANDOM_ACTIONS = 2

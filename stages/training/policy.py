@@ -7,11 +7,13 @@
   value head itself and returns values from the same pass (`ppo` passes ``with_values``).
 
 Both run their heads only at the requested positions (``rows``, ``cols``), so prompt and
-environment tokens cost no vocabulary projection, and take ``position_ids`` with a 4D attention
-mask for packed rows (`stages.training.ppo_samples.pack_row`).
+environment tokens cost no vocabulary projection, and take ``position_ids`` and the ``layout`` of
+prefix-tree-packed rows (`stages.training.ppo_samples.collate`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,9 +41,9 @@ class StepPolicy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
                 cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False, with_values: bool = False,
-                position_ids: torch.Tensor | None = None, segments: list | None = None):
+                position_ids: torch.Tensor | None = None, layout: Any = None):
         """(log-probs, entropies or None, values or None) at the positions ``(rows, cols)``."""
-        inputs = _model_inputs(input_ids, attention_mask, position_ids, segments)
+        inputs = _model_inputs(input_ids, attention_mask, position_ids, layout)
         if self.plain_head:
             hidden = self.lm.base_model(**inputs).last_hidden_state[rows, cols]
             logits = self.lm.get_output_embeddings()(hidden)
@@ -77,18 +79,17 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
                 cols: torch.Tensor, position_ids: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, segments: list | None = None) -> torch.Tensor:
-        hidden = self.body(**_model_inputs(input_ids, attention_mask, position_ids, segments)).last_hidden_state
+                targets: torch.Tensor | None = None, layout: Any = None) -> torch.Tensor:
+        hidden = self.body(**_model_inputs(input_ids, attention_mask, position_ids, layout)).last_hidden_state
         return self.value_head(hidden[rows, cols]).squeeze(-1).float()
 
 
-def _model_inputs(input_ids, attention_mask, position_ids, segments) -> dict:
-    """The model call's arguments; a packed batch's ``segments`` reach its attention as
-    ``packed_segments`` (`stages.common.models.packed_attention`; other attention kernels ignore
-    them and apply the mask)."""
+def _model_inputs(input_ids, attention_mask, position_ids, layout) -> dict:
+    """The model call's arguments; a prefix-tree-packed batch's ``layout`` reaches its attention
+    as ``packed_layout`` (`stages.common.models.spa_sdpa`)."""
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               "use_cache": False}
-    return inputs | {"packed_segments": segments} if segments is not None else inputs
+    return inputs | {"packed_layout": layout} if layout is not None else inputs
 
 
 def _value_head(causal_lm: nn.Module) -> nn.Linear:

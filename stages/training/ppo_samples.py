@@ -7,15 +7,17 @@ bounded padded size (`micro_batches`) and collated into right-padded tensors (`c
 loss is a weighted sum over steps with the normaliser of the whole mini-batch (`loss_agg`), so the
 grouping never changes it.
 
-Packing (`ppo.pack_groups`): the episodes of a group play one puzzle, so they share their first
-prompt (system prompt, instruction, first state: most of a one-turn episode's tokens). Their
-samples then go into one sequence, the shared prefix once and each episode's own tokens after it,
-with an attention mask and position ids that give every token exactly its own episode's context
-(`pack_row`): the actor's, critic's and reference's passes compute the prefix once per group
-instead of once per episode, and their outputs and gradients are those of the unpacked samples.
+Prefix sharing (`ppo.share_prefix`): the episodes of a group play one puzzle, so they share their
+first prompt (system prompt, instruction, first state: most of a one-turn episode's tokens), and
+every episode of a mini-batch shares the system prompt and instruction. A micro-batch's samples
+then go into one sequence laid out as a prefix tree (`stages.common.prefix_tree`): what all share
+once, what a group shares once, then each episode's own tokens, with position ids and attention
+that give every token exactly its own episode's context. The actor's, critic's and reference's
+passes compute each shared token once, and their outputs and gradients are those of the
+unshared samples.
 
 Over several ranks (`rank_shares`, `rank_micro_batches`) each mini-batch is split into equal
-parts, one per rank, balanced by tokens (packing joins the group-mates within a part); every rank
+parts, one per rank, balanced by tokens (sharing joins the samples within a part); every rank
 makes the same number of passes (fillers of weight 0 where its part needs fewer), since ZeRO's
 collectives run in every backward (and, under ZeRO-3, in every forward).
 """
@@ -29,8 +31,9 @@ import torch
 from torch import nn
 
 from stages.agent import prompts
-from stages.agent.context import common_prefix_len
+from stages.common import prefix_tree
 from stages.common.config import PPOConfig
+from stages.common.prefix_tree import common_prefix_len
 from stages.training import ppo_algos as algos
 
 
@@ -127,93 +130,59 @@ def unpad(samples: list[Sample], field: str, values: torch.Tensor) -> None:
         setattr(sample, field, values[row, : sample.steps].clone())
 
 
-def micro_batches(samples: list[Sample], token_budget: int, pack: bool = False) -> list[list[list[Sample]]]:
+def micro_batches(samples: list[Sample], token_budget: int, share: bool = False) -> list[list[list[Sample]]]:
     """The passes over `samples`: micro-batches of rows, each row a list of samples.
 
-    Without `pack` every row is one sample. With `pack` the samples of one group share a row
-    (`pack_row`): their first prompt, the same for the whole group, is computed once. A row's cost
-    is its packed length; rows are grouped by length (shortest first) so that little compute goes
-    to padding, and a micro-batch's padded size (rows x longest) stays within ``token_budget`` (a
-    group too long for it is split over several rows; one sample longer than it goes alone). Every
-    loss is a sum over tokens, so neither the packing nor the grouping changes it.
+    Without `share` every row is one sample, rows are grouped by length (shortest first) so that
+    little compute goes to padding, and a micro-batch's padded size (rows x longest) stays within
+    ``token_budget``. With `share` a micro-batch is one row, its samples packed as a prefix tree
+    (`stages.common.prefix_tree`): the instruction every episode shares and each group's first
+    prompt are computed once. The samples are taken in token order (a group's episodes, which
+    share their first prompt, side by side) and a micro-batch ends where the next sample would take
+    its packed length past ``token_budget`` (one sample longer than it goes alone). Every loss is
+    a sum over tokens divided by the mini-batch's step count, so neither the packing nor the
+    grouping changes it.
     """
-    rows: list[list[Sample]] = []
-    for group in _groups(samples) if pack else [[sample] for sample in samples]:
-        row: list[Sample] = []
-        for sample in group:
-            if row and packed_length([*row, sample]) > token_budget:
-                rows.append(row)
-                row = []
-            row.append(sample)
-        rows.append(row)
+    if share:
+        return [[row] for row in _shared_rows(samples, token_budget)]
     batches: list[list[list[Sample]]] = []
     current: list[list[Sample]] = []
-    for row in sorted(rows, key=packed_length):  # sorted() is stable: deterministic
-        if current and packed_length(row) * (len(current) + 1) > token_budget:
+    for sample in sorted(samples, key=lambda s: len(s.ids)):  # sorted() is stable: deterministic
+        if current and len(sample.ids) * (len(current) + 1) > token_budget:
             batches.append(current)
             current = []
-        current.append(row)
+        current.append([sample])
     if current:
         batches.append(current)
     return batches
 
 
-def _groups(samples: list[Sample]) -> list[list[Sample]]:
-    by_group: dict[int, list[Sample]] = {}
-    for sample in samples:
-        by_group.setdefault(sample.group, []).append(sample)
-    return list(by_group.values())
-
-
-def shared_prefix(row: list[Sample]) -> int:
-    """How many leading tokens every sample of a row shares (0 for one sample), leaving each at
-    least one token of its own."""
-    if len(row) == 1:
-        return 0
-    first = row[0].ids.tolist()
-    shared = min(len(s.ids) for s in row) - 1
-    for sample in row[1:]:
-        shared = min(shared, common_prefix_len(first, sample.ids.tolist()))
-    return shared
-
-
-def packed_length(row: list[Sample]) -> int:
-    shared = shared_prefix(row)
-    return shared + sum(len(s.ids) - shared for s in row)
-
-
-def pack_row(row: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """One sequence for the samples of `row`: the shared prefix once, then each sample's own tokens.
-
-    Returns the token ids ``[T]``, the position ids ``[T]`` (each sample's tokens continue the
-    prefix's positions, as in its own sequence), the attention mask ``[T, T]`` (True: may attend;
-    the prefix is causal, each sample's tokens see the prefix and their own earlier tokens, never
-    another sample's), and per sample the row index of each of its tokens. Every token therefore
-    has exactly the context and position it has in its own sequence, so the outputs are those of
-    the unpacked samples.
-    """
-    shared = shared_prefix(row)
-    ids = [row[0].ids[:shared]]
-    where, offset = [], shared
-    for sample in row:
-        own = len(sample.ids) - shared
-        ids.append(sample.ids[shared:])
-        where.append(torch.cat([torch.arange(shared), torch.arange(offset, offset + own)]))
-        offset += own
-    total = offset
-    positions = torch.zeros(total, dtype=torch.long)
-    mask = torch.zeros(total, total, dtype=torch.bool)
-    for index in where:
-        positions[index] = torch.arange(len(index))
-        mask[index[:, None], index[None, :]] = torch.ones(len(index), len(index), dtype=torch.bool).tril()
-    return torch.cat(ids), positions, mask, where
+def _shared_rows(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+    tokens = [s.ids.tolist() for s in samples]
+    rows: list[list[Sample]] = []
+    row: list[Sample] = []
+    packed, previous = 0, []
+    for i in sorted(range(len(samples)), key=lambda i: (tokens[i], i)):
+        added = len(tokens[i]) - prefix_tree.common_prefix_len(previous, tokens[i])  # sorted: the tree's growth
+        if row and packed + added > token_budget:
+            rows.append(row)
+            row, added = [], len(tokens[i])
+            packed = 0
+        row.append(samples[i])
+        packed, previous = packed + added, tokens[i]
+    if row:
+        rows.append(row)
+    return rows
 
 
 def collate(rows: list[list[Sample]], device: Any, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ids with their attention mask (2D when every row is one sample, else the 4D
-    mask of `pack_row`, with each row's layout as ``segments``, which SDPA uses to skip the masked
-    blocks: `stages.common.models.packed_attention`) and position ids, and for every step, in row
-    then sample order, its row, the index that predicts it (``cols``) and its token (``targets``)."""
+    """The model inputs of a micro-batch, and for every step, in row then sample order, its row,
+    the index that predicts it (``cols``) and its token (``targets``).
+
+    Rows of one sample: right-padded ids with a 2D attention mask. A micro-batch of one row of
+    several samples (`micro_batches` with ``share``): the samples packed as a prefix tree, with its
+    position ids and its attention structure as ``layout`` (a `TreeLayout`, which the model's
+    attention reads: `stages.common.models.spa_sdpa`)."""
     if all(len(row) == 1 for row in rows):
         samples = [row[0] for row in rows]
         ids = nn.utils.rnn.pad_sequence([s.ids for s in samples], batch_first=True, padding_value=pad_id)
@@ -222,25 +191,16 @@ def collate(rows: list[list[Sample]], device: Any, pad_id: int) -> dict[str, tor
         positions = torch.cat([s.positions for s in samples])
         return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "rows": row_of.to(device),
                 "cols": (positions - 1).to(device), "targets": ids[row_of, positions].to(device)}
-    packed = [pack_row(row) for row in rows]
-    width = max(len(ids) for ids, _, _, _ in packed)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    attention = torch.zeros((len(rows), 1, width, width), dtype=torch.bool)
-    row_of, cols, targets, segments = [], [], [], []
-    for r, ((row_ids, row_positions, mask, where), row) in enumerate(zip(packed, rows, strict=True)):
-        shared = shared_prefix(row)
-        segments.append((shared, [len(sample.ids) - shared for sample in row]))
-        length = len(row_ids)
-        ids[r, :length], position_ids[r, :length], attention[r, 0, :length, :length] = row_ids, row_positions, mask
-        attention[r, 0, length:, 0] = True  # padding rows attend to something: no all-masked softmax
-        for sample, index in zip(row, where, strict=True):
-            row_of.append(torch.full_like(sample.positions, r))
-            cols.append(index[sample.positions - 1])
-            targets.append(sample.ids[sample.positions])
-    return {"input_ids": ids.to(device), "attention_mask": attention.to(device),
-            "position_ids": position_ids.to(device), "rows": torch.cat(row_of).to(device),
-            "cols": torch.cat(cols).to(device), "targets": torch.cat(targets).to(device), "segments": segments}
+    (row,) = rows
+    packed = prefix_tree.pack([s.ids.tolist() for s in row])
+    where = [torch.tensor(w) for w in packed.where]
+    cols = torch.cat([index[s.positions - 1] for s, index in zip(row, where, strict=True)])
+    return {"input_ids": torch.tensor([packed.ids], device=device),
+            "attention_mask": prefix_tree.placeholder_mask(len(packed), device),
+            "position_ids": torch.tensor([packed.positions], device=device),
+            "rows": torch.zeros_like(cols).to(device), "cols": cols.to(device),
+            "targets": torch.cat([s.ids[s.positions] for s in row]).to(device),
+            "layout": prefix_tree.TreeLayout(packed.nodes, device)}
 
 
 def step_count(rows: list[list[Sample]]) -> list[int]:
@@ -275,11 +235,11 @@ def rank_shares(samples: list[Sample], mini_batch: int, world: int) -> list[list
 
 
 def rank_micro_batches(parts: list[list[Sample]], token_budget: int, rank: int,
-                       pack: bool = False) -> list[tuple[list[list[Sample]], float]]:
+                       share: bool = False) -> list[tuple[list[list[Sample]], float]]:
     """Rank `rank`'s micro-batches (`micro_batches`: rows of samples) of ``parts[rank]`` as (rows,
     weight 1.0), then fillers (its first micro-batch again, weight 0.0) up to the most
     micro-batches any rank has: every rank makes the same number of passes."""
-    plans = [micro_batches(part, token_budget, pack) for part in parts]
+    plans = [micro_batches(part, token_budget, share) for part in parts]
     mine = plans[rank]
     return [(micro, 1.0) for micro in mine] + [(mine[0], 0.0)] * (max(len(p) for p in plans) - len(mine))
 

@@ -35,15 +35,15 @@ conversation is kept, as in the paper's config) and counted; a row left with no 
 whose assistant messages all say `"train": false`) is dropped and counted. A row without an
 assistant message is an error.
 
-Batching. Packed rows need a block-diagonal mask, which transformers 5 builds from restarting
-`position_ids`, and SDPA then computes the masked cross-row blocks too (and cannot take its
-`is_causal` fast path), while one CPU row is already a large enough matmul: on 2 CPU cores packing
-is no faster than one row at a time (docs/results.md). So on CPU/SDPA each micro-batch is one row:
-no padding and no cross-row attention at all. With flash-attention 2 the
-same restarting `position_ids` select the varlen kernel, which skips cross-row work, so there rows
-are packed (first-fit decreasing) up to `micro_batch_tokens` to fill the GPU. `packing` overrides.
-Either way the loss is a sum over trained tokens divided by the global batch's trained-token count,
-so how rows are grouped never changes the objective.
+Batching. The rows of a micro-batch become one sequence. With `share_prefix` (the default, on
+spa's SDPA attention) they are laid out as a prefix tree (`stages.common.prefix_tree`): the system
+prompt and instruction every row begins with, and the turns a trajectory's turn rows repeat, are
+computed once, and no attention between rows is computed; micro-batches hold up to
+`micro_batch_tokens` computed tokens. Without it, under flash-attention 2, restarting
+`position_ids` select the varlen kernel, which skips cross-row work, and rows are packed
+(first-fit decreasing) up to `micro_batch_tokens`; elsewhere each micro-batch is one row
+(`packing` overrides). Either way the loss is a sum over trained tokens divided by the global
+batch's trained-token count, so how rows are grouped never changes the objective.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from stages.common import spa_data
 from stages.common.artifacts import read_jsonl
 from stages.common.config import StateText
 from stages.common.errors import UserError
+from stages.common.prefix_tree import common_prefix_len
 
 ROLES = ("system", "user", "assistant", "tool")
 STATE_TEXT = typing.get_args(StateText)
@@ -67,8 +68,7 @@ MASK_PLACEHOLDER = "[MASKED]"
 
 @dataclass
 class Example:
-    """One tokenized row. `mask[t] > 0` means token t is a training target (predicted from t-1);
-    a merged row (`merge_prefix_rows`) counts a token once per row that trains it."""
+    """One tokenized row. `mask[t] == 1` means token t is a training target (predicted from t-1)."""
 
     id: str
     input_ids: list[int]
@@ -304,6 +304,7 @@ def tokenize_rows(rows: list[dict], tokenizer, max_length: int, state_text: str 
 class MicroBatch:
     rows: list[int]
     weight: float = 1.0  # 0 for a filler that keeps ranks in step (its loss is multiplied by 0)
+    tokens: int = 0  # the tokens its forward computes
 
 
 def epoch_steps(n_rows: int, epoch: int, seed: int, global_batch: int,
@@ -312,9 +313,9 @@ def epoch_steps(n_rows: int, epoch: int, seed: int, global_batch: int,
     (the last one may be smaller). A pure function of (seed, epoch), so resume needs no RNG state.
 
     With `sources` (each row's trajectory), the trajectories are shuffled and each one's rows stay
-    together, in order, so that a trajectory's turn rows mostly land in one step, where
-    `merge_prefix_rows` computes them as one sequence; rows of distinct trajectories come out in
-    the same order as the plain shuffle."""
+    together, in order, so that a trajectory's turn rows mostly land in one step, where prefix
+    sharing computes their common tokens once; rows of distinct trajectories come out in the same
+    order as the plain shuffle."""
     if sources is None:
         order = list(range(n_rows))
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
@@ -328,45 +329,60 @@ def epoch_steps(n_rows: int, epoch: int, seed: int, global_batch: int,
     return [order[i:i + global_batch] for i in range(0, n_rows, global_batch)]
 
 
-def merge_prefix_rows(examples: list[Example]) -> list[Example]:
-    """The rows of one step with every row whose tokens begin another row of its trajectory merged
-    into that longer row: one sequence, both rows' trained tokens. A turn row's context is the
-    trajectory up to that turn, so turn k's row is the beginning of turn k+1's: computing the
-    longest row once gives every turn's loss, token for token, at the cost of one row."""
-    merged: list[Example] = []
-    for example in sorted(examples, key=len, reverse=True):
-        host = next((m for m in merged if m.source == example.source and len(m) >= len(example)
-                     and m.input_ids[:len(example)] == example.input_ids), None)
-        if host is None:
-            merged.append(Example(example.id, list(example.input_ids), list(example.mask), example.truncated,
-                                  example.source))
-        else:
-            for t, count in enumerate(example.mask):
-                host.mask[t] += count
-    return merged
+def rank_micro_batches(examples: list[Example], rank: int, world: int, micro_batch_tokens: int,
+                       pack: bool = False, share: bool = False) -> list[MicroBatch]:
+    """This rank's micro-batches of one optimizer step (`examples`: the step's rows; a MicroBatch
+    names them by index). Rows go to ranks by balanced token load; every rank gets the same number
+    of micro-batches (ZeRO's collectives run per backward), padded with zero-weight fillers where a
+    rank has fewer.
 
-
-def rank_micro_batches(step_rows: list[int], lengths: list[int], rank: int, world: int,
-                       micro_batch_tokens: int, pack: bool) -> list[MicroBatch]:
-    """This rank's micro-batches of one optimizer step. Rows go to ranks by balanced token load;
-    every rank gets the same number of micro-batches (ZeRO's collectives run per backward), padded
-    with zero-weight fillers where a rank has fewer."""
-    shares: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
-    for r in sorted(step_rows, key=lambda j: (-lengths[j], j)):
-        k = min(range(world), key=lambda w: (load[w], w))
-        shares[k].append(r)
-        load[k] += lengths[r]
-    plans = [_micro_batches(share, lengths, micro_batch_tokens, pack) for share in shares]
+    With `share` a rank's rows are taken in token order (rows that begin alike side by side) and
+    cut into micro-batches whose prefix tree (`stages.common.prefix_tree`) holds at most
+    ``micro_batch_tokens`` tokens (a longer row goes alone). The rows of a step stay those the
+    seeded shuffle chose; only their grouping into micro-batches changes, and the loss, a sum over
+    the step's trained tokens divided by their count, does not depend on it. Without `share`:
+    rows packed first-fit decreasing up to the budget (`pack`, for flash-attention 2's varlen
+    kernel), else one row per micro-batch."""
+    plans = step_plan(examples, world, micro_batch_tokens, pack, share)
     most = max(len(p) for p in plans)
-    shortest = min(step_rows, key=lambda j: (lengths[j], j))
+    shortest = min(range(len(examples)), key=lambda j: (len(examples[j]), j))
     mine = plans[rank]
     return mine + [MicroBatch([shortest], 0.0) for _ in range(most - len(mine))]
 
 
+def step_plan(examples: list[Example], world: int, micro_batch_tokens: int, pack: bool = False,
+              share: bool = False) -> list[list[MicroBatch]]:
+    """Every rank's micro-batches of one step, without fillers (`rank_micro_batches`)."""
+    lengths = [len(e) for e in examples]
+    shares: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for r in sorted(range(len(examples)), key=lambda j: (-lengths[j], j)):
+        k = min(range(world), key=lambda w: (load[w], w))
+        shares[k].append(r)
+        load[k] += lengths[r]
+    if share:
+        return [_shared_micro_batches(part, examples, micro_batch_tokens) for part in shares]
+    return [_micro_batches(part, lengths, micro_batch_tokens, pack) for part in shares]
+
+
+def _shared_micro_batches(rows: list[int], examples: list[Example], budget: int) -> list[MicroBatch]:
+    batches: list[MicroBatch] = []
+    previous: list[int] = []
+    for r in sorted(rows, key=lambda j: (examples[j].input_ids, j)):
+        tokens = examples[r].input_ids
+        added = len(tokens) - common_prefix_len(previous, tokens)  # sorted: the tree's growth
+        if batches and batches[-1].tokens + added <= budget:
+            batches[-1].rows.append(r)
+            batches[-1].tokens += added
+        else:
+            batches.append(MicroBatch([r], tokens=len(tokens)))
+        previous = tokens
+    return batches
+
+
 def _micro_batches(rows: list[int], lengths: list[int], budget: int, pack: bool) -> list[MicroBatch]:
     if not pack:
-        return [MicroBatch([r]) for r in rows]
+        return [MicroBatch([r], tokens=lengths[r]) for r in rows]
     bins: list[tuple[int, list[int]]] = []  # first-fit decreasing (rows arrive longest first)
     for r in rows:
         for i, (used, members) in enumerate(bins):
@@ -375,32 +391,52 @@ def _micro_batches(rows: list[int], lengths: list[int], budget: int, pack: bool)
                 break
         else:
             bins.append((lengths[r], [r]))
-    return [MicroBatch(members) for _, members in bins]
+    return [MicroBatch(members, tokens=used) for used, members in bins]
 
 
-def collate(examples: list[Example], device="cpu") -> dict:
-    """One packed sequence: ids [1, T], restarting position_ids [1, T], and the positions whose next
-    token is trained (`keep`, for `logits_to_keep`) with those next tokens (`targets`)."""
+def collate(examples: list[Example], device="cpu", share: bool = False) -> dict:
+    """The model inputs of one micro-batch as one sequence, ids ``[1, T]`` and position_ids
+    ``[1, T]``, with the positions whose next token is trained (``keep``, for
+    `logits_to_keep`), those next tokens (``targets``) and the row (index into `examples`) each
+    target belongs to (``rows``: per-row losses stay addressable).
+
+    Without `share` the rows follow one another with restarting position ids; with it they are
+    packed as a prefix tree (`stages.common.prefix_tree`), its attention structure as ``layout``
+    and a placeholder 4D ``attention_mask`` (the model's attention reads the layout:
+    `stages.common.models.spa_sdpa`)."""
     import torch
 
-    ids, positions, keep, targets = [], [], [], []
-    offset = 0
-    for ex in examples:
-        ids.extend(ex.input_ids)
-        positions.extend(range(len(ex)))
-        # mask[0] is always 0, so a target never crosses into the next packed row; a token trained
-        # by several merged rows is a target once per row
-        trained = [t for t in range(1, len(ex)) for _ in range(ex.mask[t])]
-        keep.extend(offset + t - 1 for t in trained)
+    from stages.common import prefix_tree
+
+    if share:
+        packed = prefix_tree.pack([ex.input_ids for ex in examples])
+        ids, positions, where = packed.ids, packed.positions, packed.where
+    else:
+        ids = [token for ex in examples for token in ex.input_ids]
+        positions = [p for ex in examples for p in range(len(ex))]
+        starts = [0]
+        for ex in examples:
+            starts.append(starts[-1] + len(ex))
+        where = [range(start, start + len(ex)) for start, ex in zip(starts, examples)]
+    keep, targets, rows = [], [], []
+    for r, (ex, index) in enumerate(zip(examples, where, strict=True)):
+        # mask[0] is always 0, so a target never crosses into another row
+        trained = [t for t in range(1, len(ex)) if ex.mask[t]]
+        keep.extend(index[t - 1] for t in trained)
         targets.extend(ex.input_ids[t] for t in trained)
-        offset += len(ex)
+        rows.extend([r] * len(trained))
     as_long = {"dtype": torch.long, "device": device}
-    return {
+    batch = {
         "input_ids": torch.tensor([ids], **as_long),
         "position_ids": torch.tensor([positions], **as_long),
         "keep": torch.tensor(keep, **as_long),
         "targets": torch.tensor(targets, **as_long),
+        "rows": torch.tensor(rows, **as_long),
     }
+    if share:
+        batch["attention_mask"] = prefix_tree.placeholder_mask(len(ids), device)
+        batch["layout"] = prefix_tree.TreeLayout(packed.nodes, device)
+    return batch
 
 
 # ---- dry run -----------------------------------------------------------------------------------

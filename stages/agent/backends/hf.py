@@ -62,8 +62,8 @@ from stages.agent.backends.base import (
     SamplingParams,
     end_token_ids,
 )
-from stages.agent.context import common_prefix_len
 from stages.common.errors import UserError
+from stages.common.prefix_tree import common_prefix_len
 
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # see HFBackend._native_gqa
 
