@@ -25,6 +25,7 @@ only shown when they are rendered.
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any, ClassVar
 
@@ -68,6 +69,9 @@ class TextGameEnv(gymnasium.Env):
     text_instructions: ClassVar[dict[str, str] | None] = None
     #: The agent loop's budget of primitive actions per episode (SPA's max_actions_per_traj).
     max_actions_per_traj: ClassVar[int] = 10
+    #: What an action can do, as `action_effect` names it (e.g. Sokoban's "push"); empty for a
+    #: game with no world-model prompt.
+    action_effects: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, render_mode: str = "coords"):
         supported = render_modes(type(self))
@@ -114,6 +118,24 @@ class TextGameEnv(gymnasium.Env):
         if self.render_mode != "coords" and self.text_instructions is not None:
             texts = self.text_instructions
         return texts[prompt_mode]
+
+    # ---- what an action would do (for probing a world model) -------------------------------
+
+    def probe_actions(self) -> list[str]:
+        """The actions to ask a world model about in the current state: every action name."""
+        assert self.action_names is not None, "free-form games override probe_actions"
+        return list(self.action_names)
+
+    def action_effect(self, action: str) -> str:
+        """What `action` would do from the current state, one of `action_effects`; nothing changes."""
+        raise NotImplementedError(f"{self.name} does not name its actions' effects")
+
+    def next_states(self, action: str) -> list[str]:
+        """The rendered states `action` can lead to from the current one, the intended (no-slip)
+        outcome first; a deterministic game has one. Nothing changes."""
+        trial = copy.deepcopy(self)
+        trial.step(action)
+        return [trial.render()]
 
     # ---- for subclasses ------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ seed gives the same map and the same slips on every machine and Python version.
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import ClassVar
 
@@ -135,6 +136,9 @@ class FrozenLakeEnv(TextGameEnv):
     instructions: ClassVar[dict[str, str]] = build_instructions(4)
     text_instructions: ClassVar[dict[str, str]] = TEXT_INSTRUCTIONS
     max_actions_per_traj: ClassVar[int] = 10
+    #: Of the intended (no-slip) step: onto ice, against the edge, into a hole, onto the goal; or
+    #: any action once the episode is over.
+    action_effects: ClassVar[tuple[str, ...]] = ("move", "edge", "hole", "goal", "over")
 
     def __init__(self, size: int = 4, p: float = 0.8, is_slippery: bool = True, max_steps: int = 100,
                  render_mode: str = "coords"):
@@ -211,6 +215,33 @@ class FrozenLakeEnv(TextGameEnv):
         if not self.is_slippery:
             return [(1.0, self._move(cell, action))]
         return [(1.0 / 3.0, self._move(cell, (action + turn) % 4)) for turn in (-1, 0, 1)]
+
+    def _action_index(self, action: str) -> int:
+        name = self.parse_action(action)
+        if name is None:
+            raise EnvError(f"not a FrozenLake action: {action!r}")
+        return self.action_names.index(name)
+
+    def action_effect(self, action: str) -> str:
+        """What the intended (no-slip) step does."""
+        index = self._action_index(action)
+        if self._finished(self.player):
+            return "over"
+        cell = self._move(self.player, index)
+        if cell == self.player:
+            return "edge"
+        return "hole" if cell in self.holes else "goal" if cell == self.goal else "move"
+
+    def next_states(self, action: str) -> list[str]:
+        index = self._action_index(action)
+        intended = self.player if self._finished(self.player) else self._move(self.player, index)
+        cells = dict.fromkeys([intended] + [cell for _, cell in self.transitions(self.player, index)])
+        trial = copy.copy(self)  # only the player moves, so the map may be shared
+        states = []
+        for cell in cells:
+            trial.player = cell
+            states.append(trial.render())
+        return states
 
     def _step(self, action: str) -> tuple[float, bool, bool, dict]:
         name = self.parse_action(action)

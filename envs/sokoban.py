@@ -538,6 +538,8 @@ class SokobanEnv(TextGameEnv):
     instructions: ClassVar[dict[str, str]] = sokoban_instructions(6, 6)
     text_instructions: ClassVar[dict[str, str]] = sokoban_instructions(6, 6, coordinates=False)
     max_actions_per_traj: ClassVar[int] = 10
+    #: A free step, a step into a wall, a box pushed, a box that cannot move (wall or box behind it).
+    action_effects: ClassVar[tuple[str, ...]] = ("move", "wall", "push", "push_blocked")
 
     def __init__(self, dim: int = 6, num_boxes: int = 1, max_steps: int = 100, search_depth: int = 300,
                  render_mode: str = "coords", symbols: dict[str, str] | None = None,
@@ -618,6 +620,20 @@ class SokobanEnv(TextGameEnv):
 
     def coordinate_line(self) -> str:
         return coordinate_text(self._require_room(), self.symbols)
+
+    def action_effect(self, action: str) -> str:
+        room = self._require_room()
+        name = self.parse_action(action)
+        if name is None:
+            raise EnvError(f"not a Sokoban action: {action!r}")
+        offset = room.offset(self.action_names.index(name))
+        ahead = room.player + offset
+        if room.walls[ahead]:
+            return "wall"
+        if ahead not in room.boxes:
+            return "move"
+        beyond = ahead + offset
+        return "push_blocked" if room.walls[beyond] or beyond in room.boxes else "push"
 
     # ---- helpers -------------------------------------------------------------------------
 

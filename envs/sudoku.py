@@ -182,6 +182,9 @@ class SudokuEnv(TextGameEnv):
     instructions: ClassVar[dict[str, str]] = INSTRUCTIONS
     text_instructions: ClassVar[dict[str, str]] = TEXT_INSTRUCTIONS
     max_actions_per_traj: ClassVar[int] = 50
+    #: A value written into a non-clue cell, a value its row, column or box already has (no
+    #: change), a move that is not allowed at all (a clue, out of range, the puzzle solved).
+    action_effects: ClassVar[tuple[str, ...]] = ("fill", "conflict", "invalid")
 
     def __init__(self, difficulty: str = "easy", max_steps: int = 30, render_mode: str = "coords",
                  blanks: int | None = None):
@@ -227,6 +230,17 @@ class SudokuEnv(TextGameEnv):
     def sample_action(self, rng: random.Random) -> str:
         row, col, value = (rng.randint(1, N) for _ in range(3))
         return f"{row},{col},{value}"
+
+    def probe_actions(self) -> list[str]:
+        """Every value in every empty cell."""
+        return [f"{r + 1},{c + 1},{v}" for r in range(N) for c in range(N) if not self.board[r][c]
+                for v in range(1, N + 1)]
+
+    def action_effect(self, action: str) -> str:
+        move, _ = self._checked_move(action)
+        if move is None or self.solved:
+            return "invalid"
+        return "conflict" if conflicts(self.board, *move) else "fill"
 
     def _step(self, action: str) -> tuple[float, bool, bool, dict]:
         self.steps += 1  # every step counts, invalid ones too

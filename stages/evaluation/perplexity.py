@@ -68,7 +68,7 @@ def state_perplexity(model: Any, tokenizer: Any, env: EnvConfig, seeds: Sequence
                 chat = prompts.build_messages(prefix, [block], [], [])
                 context_ids, target_ids = _split_state_tokens(tokenizer, chat, state)
                 with torch.no_grad():
-                    nll = _target_nll(model, context_ids, target_ids, device)
+                    nll = target_nll(model, context_ids, target_ids, device)
                 totals[view][0] += nll
                 totals[view][1] += len(target_ids)
             if progress is not None:
@@ -104,13 +104,21 @@ def _split_state_tokens(tokenizer: Any, chat: list[dict[str, str]],
     if at < 0:
         raise RuntimeError("the chat template changed the state text; cannot locate it for perplexity")
     start = at + len("State:\n")
-    before = tokenizer.encode(text[:start], add_special_tokens=False)
-    full = tokenizer.encode(text[:start + len(state)], add_special_tokens=False)
+    return split_continuation(tokenizer, text[:start], state)
+
+
+def split_continuation(tokenizer: Any, context: str, target: str) -> tuple[list[int], list[int]]:
+    """Token ids of `context` and of `target` after it: `context + target` is tokenized whole (no
+    extra special tokens) and the target tokens are those after the longest token prefix it
+    shares with the tokenization of `context` alone, so a token that spans the seam counts as
+    the target's."""
+    before = tokenizer.encode(context, add_special_tokens=False)
+    full = tokenizer.encode(context + target, add_special_tokens=False)
     shared = common_prefix_len(before, full)
     return list(full[:shared]), list(full[shared:])
 
 
-def _target_nll(model: Any, context_ids: list[int], target_ids: list[int], device: Any) -> float:
+def target_nll(model: Any, context_ids: list[int], target_ids: list[int], device: Any) -> float:
     """Summed negative log-likelihood of ``target_ids`` following ``context_ids``."""
     import torch
 

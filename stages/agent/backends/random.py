@@ -81,15 +81,20 @@ class RandomBackend:
         drawn = _effective_actions(env, rng, count) if self.effective_only else \
             [env.sample_action(rng) for _ in range(count)]
         actions = " || ".join(drawn)
-        reason = REASONS.get(env.name, DEFAULT_REASON)
-        if self.name_actions:
-            reason = f"{reason} I move {', '.join(drawn)}."
+        reason = reasoning(env.name, drawn if self.name_actions else None)
         if self.prompt_mode == "world_model":
             think = f" <observation></observation> {reason} <prediction></prediction>"
         else:
             think = f" {reason}"
         return Completion(token_ids=[], text=f"{think} </think> <answer> {actions} </answer>", logprobs=None,
                           finish_reason="stop")
+
+
+def reasoning(game: str, actions: list[str] | None = None) -> str:
+    """The game's fixed reasoning sentence; with `actions`, followed by one naming them
+    (``rollout.random_reasoning: actions``)."""
+    reason = REASONS.get(game, DEFAULT_REASON)
+    return f"{reason} I move {', '.join(actions)}." if actions else reason
 
 
 #: Draws of `sample_action` tried for one effective action before taking one that changes nothing.
