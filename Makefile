@@ -64,9 +64,9 @@ demo: install
 
 # A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): the arms of its Table 2
 # (base, state_estimation, vanilla_rl, state_estimation_rl, spa_sft, spa) and the masked-state
-# control (spa_masked_sft, spa_masked) on Sokoban and FrozenLake, 32 eval puzzles x 4 samples.
-# 1 h 27 min for both games on 2 cores (docs/experiments.md): run it in the background
-# (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
+# control (spa_masked_sft, spa_masked) on Sokoban and FrozenLake, 32 eval puzzles x 4 samples
+# (docs/experiments.md). Run it in the background (`nohup make repro-cpu > repro.log 2>&1 &`); it
+# resumes where it stopped.
 repro-cpu: install
 	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml
