@@ -38,7 +38,7 @@ _UsageError = typer.BadParameter.__mro__[1]
 #: `spa --help` lists the commands in the order of the recipe, then what looks at runs, then helpers.
 COMMAND_PANELS = {
     "Recipe stages": ("generate", "clean", "sft", "ppo", "eval", "pipeline"),
-    "Looking at runs": ("plot", "view"),
+    "Looking at runs": ("probe", "plot", "view"),
     "Helpers": ("plan", "envs", "play", "config"),
 }
 COMMAND_ORDER = [name for names in COMMAND_PANELS.values() for name in names]
@@ -511,6 +511,47 @@ def plan_(
 
 
 # ---- looking at runs ----------------------------------------------------------------------------
+
+
+@app.command()
+@user_errors
+def probe(
+    model: Annotated[str, typer.Argument(help="A model directory or a built-in model's name (sets model.name).")],
+    config: ConfigOpt = None, set_: SetOpt = None, quiet: QuietOpt = False, env: EnvOpt = None,
+    states: Annotated[int | None, typer.Option(help="Held-out states to probe, every action of each.",
+                                               show_default="32")] = None,
+    first_seed: Annotated[int | None, typer.Option(help="Seed of the first state (the next ones follow it).",
+                                                   show_default="1000: apart from eval and train seeds")] = None,
+    render_mode: Annotated[str | None, _render_mode("eval")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Report to write (and its .cases.jsonl).")] = Path(
+        "probe.json"),
+    format_: FormatOpt = "table", as_json: JsonOpt = False,
+) -> None:
+    """Score a model's world model per kind of action: its predicted next state against the copy.
+
+    Every action of held-out states, split by what it does (Sokoban: move, wall, push, push_blocked):
+    greedy predictions by exact match, cells and copies, and whether the model finds the true next
+    state more likely than the unchanged one."""
+    from rich.table import Table
+
+    from stages import probe as stage
+    from stages.evaluation.tables import markdown_table, print_wide
+
+    shape = _output_format(format_, as_json)
+    cfg = _load(config, set_, quiet, model__name=model, env__name=env, eval__render_mode=render_mode)
+    given = {"states": states, "first_seed": first_seed}
+    report = stage.run(cfg, out, **{key: value for key, value in given.items() if value is not None})
+    if shape == "json":
+        typer.echo(json.dumps(report, indent=2))
+    elif shape == "markdown":
+        typer.echo(markdown_table(stage.HEADINGS, stage.table_cells(report)), nl=False)
+    else:
+        settings = report["settings"]
+        table = Table(*stage.HEADINGS, title=f"spa probe: {settings['model']} on {settings['env']} "
+                                               f"({settings['states']} states)")
+        for row in stage.table_cells(report):
+            table.add_row(*row)
+        print_wide(table, console)
 
 
 @app.command()

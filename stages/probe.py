@@ -56,6 +56,7 @@ from stages.common import artifacts
 from stages.common.config import SPAConfig
 from stages.common.console import Console, duration
 from stages.common.errors import UserError
+from stages.common.models import check_model_name
 from stages.common.seeds import stable_seed
 
 REPORT_FORMAT = "spa-probe-report"
@@ -141,6 +142,8 @@ def run(config: SPAConfig, out: str | Path, states: int = DEFAULT_STATES, first_
         raise UserError(f"the probe needs at least 1 state, got {states}; pass --states 1 or more")
     if first_seed < 0:
         raise UserError(f"the first probe seed must be >= 0, got {first_seed}")
+    if backend is None:
+        check_model_name(config.model.name)  # before the model loads, not after its seconds of work
     out = Path(out)
     artifacts.check_writable(out)
     console = Console(config.quiet)

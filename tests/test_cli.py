@@ -35,7 +35,7 @@ def paragraphs(text: str) -> list[str]:
 def test_help_lists_every_command_in_recipe_order_with_a_one_line_summary():
     lines = help_at(200)
     listed = [line.split()[1] for line in lines if re.match(r"│ [a-z]+ {2,}\S", line)]
-    assert listed == ["generate", "clean", "sft", "ppo", "eval", "pipeline", "plot", "view", "plan", "envs",
+    assert listed == ["generate", "clean", "sft", "ppo", "eval", "pipeline", "probe", "plot", "view", "plan", "envs",
                       "play", "config"]
     for path, command in commands():
         summary = paragraphs(command.help)[0]

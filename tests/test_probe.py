@@ -46,7 +46,7 @@ class FakeBackend:
 
 
 def observation_of(context: str) -> str:
-    return re.findall(r"<observation>(.*?)</observation>", context, re.S)[-1]
+    return re.findall(r"<observation>(.*?)</observation>", context, re.DOTALL)[-1]
 
 
 def copier_backend():
@@ -97,3 +97,28 @@ def test_bad_input_is_one_user_error(tmp_path, env, states, message):
     with pytest.raises(UserError, match=message):
         probe.run(config(tmp_path, env), tmp_path / "p.json", states=states, backend=copier_backend(),
                   likelihood=copier_likelihood)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--env", "nogame"], "nogame"),
+    (["--env", "countdown"], "countdown has no"),
+    (["--env", "sokoban", "--states", "0"], "at least 1 state"),
+    (["--env", "sokoban", "--model-dir-missing"], "is not a built-in name"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, monkeypatch, args, message):
+    from typer.testing import CliRunner
+
+    from spa_cli.main import app
+    from stages.common import models
+
+    def no_load(*_):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    model = str(tmp_path / "no-such-model") if "--model-dir-missing" in args else "smollm2-135m"
+    args = [a for a in args if a != "--model-dir-missing"]
+    result = CliRunner().invoke(app, ["probe", model, *args, "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert not (tmp_path / "p.json").exists()
