@@ -317,18 +317,21 @@ def rank_pid(launcher: int, rank: int) -> int:
 
 def test_zero3_over_two_ranks_trains_and_samples_like_zero2(answering_dir, two_ranks, tmp_path):
     """ZeRO-3 shards the actor; the rollouts run on an unsharded copy refreshed from the gathered
-    weights after every update: step 2 samples and scores as the ZeRO-2 run does. The two stages
-    reduce and clip the gradients in partitions of their own, so the figures agree up to the
-    rounding of another summation order (`summation_tolerance`)."""
+    weights after every update. The two stages reduce and clip the gradients in partitions of their
+    own, so step 1 (same episodes) updates alike up to the rounding of another summation order
+    (`summation_tolerance`). Step 2 samples from weights that differ by that rounding, which may flip
+    a sampled token, so its episodes are not compared; its sampler agrees with its trainer instead
+    (`logp_diff`, the mean over sampled tokens): a refreshed copy differs from the trainer's pass
+    by the fp32 rounding of the logits, ~1e-6 per token."""
     completed(spa(ppo_args(answering_dir, tmp_path / "run", 2, "ppo.zero_stage=3"), tmp_path, ranks=2))
     rows, reference = metric_rows(tmp_path / "run"), metric_rows(two_ranks)
-    for step in (1, 2):
-        for field in EPISODE_FIGURES:
-            assert rows[step][field] == reference[step][field], (step, field)
-        assert_same_update(rows[step], reference, step)
+    for field in EPISODE_FIGURES:
+        assert rows[1][field] == reference[1][field], field
+    assert_same_update(rows[1], reference, 1)
+    assert rows[2]["logp_diff"] < 1e-5 and reference[2]["logp_diff"] < 1e-5
     before = weights(answering_dir)
-    assert_same_weights(weights(tmp_path / "run" / "final"), weights(two_ranks / "final"), before,
-                        summation_tolerance(reference, 2))
+    assert_same_weights(weights(tmp_path / "run" / "step-1"), weights(two_ranks / "step-1"), before,
+                        summation_tolerance(reference, 1))
 
 
 # ---- eval and generate: seeds split over the ranks -------------------------------------------------
