@@ -295,7 +295,7 @@ def test_spa_recipe_sokoban_trains_every_turn_and_splits_rows(tmp_path):
     assert sorted(r["id"] for r in train + val) == sorted(every)
     assert [r["id"] for r in train] == [i for i in every if i in {r["id"] for r in train}]  # rows keep their order
     assert all(r["messages"][-1]["train"] for r in train + val)
-    assert [r for r in train if r["id"] == "sokoban-2-0-turn1"][0]["messages"][-1]["content"] == "Right"
+    assert next(r for r in train if r["id"] == "sokoban-2-0-turn1")["messages"][-1]["content"] == "Right"
     # seeded: the same seed the same rows held out, another seed (here) others
     clean.run(config)
     assert read_rows(artifacts.val_path(config.clean.out)) == val

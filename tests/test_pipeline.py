@@ -249,11 +249,11 @@ def test_an_arm_can_start_from_a_checkpoint_or_train_on_a_file(tiny_model_dir, t
     ("[{name: x, like: spa, set: {eval.seeds: 4}}]", [], "arm x sets eval.seeds; every arm is evaluated"),
     ("[{name: x, model: /no/such/model}]", [], "arm x: model '/no/such/model' is not a built-in name"),
     ("[{name: x, like: base, data_env: frozen_lake}]", [], "arm 'x' has no SFT"),
-    ("[{name: x, like: spa, train_env: {name: sokoban, size: 4}}]", [], "unknown config key 'pipeline.arms[0]"
-     ".train_env.size'"),
+    ("[{name: x, like: spa, train_env: {name: sokoban, size: 4}}]", [], ("unknown config key 'pipeline.arms[0]"
+     ".train_env.size'")),
     ("[{name: x, like: spa, train_env: sokobam}]", [], "arm x: unknown env 'sokobam'"),
-    ("[{name: x, like: spa, set: {clean.recipe: spa}}]", [], "arm x: clean.recipe=spa makes SPA's rows, one per "
-     "turn split by row; set clean.unit=turn"),
+    ("[{name: x, like: spa, set: {clean.recipe: spa}}]", [], ("arm x: clean.recipe=spa makes SPA's rows, one per "
+     "turn split by row; set clean.unit=turn")),
     ("[vagen]", ["env.name=countdown"], "countdown has no 'coords' render mode (ppo.render_mode)"),
     ("[state_estimation]", ["env.name=countdown"],
      "arm state_estimation: countdown has no 'coords' render mode (eval.render_mode)"),
