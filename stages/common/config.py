@@ -79,6 +79,7 @@ def _check_number(key: str, value: Any, bounds: dict[str, float]) -> None:
 PromptMode = Literal["world_model", "base"]
 RenderMode = Literal["coords", "text"]
 StateText = Literal["trained", "masked"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]  # verl's loss_agg_mode names
 
 _PROMPT_MODE = ('"world_model" asks for <observation> and <prediction> inside <think>, "base" for '
                 "<think> then <answer>")
@@ -375,7 +376,7 @@ class PPOConfig(TrainingConfig):
         '"assistant": PPO steps on the model\'s own tokens (the paper); "all": on every token after the '
         "system prompt, environment text included (SPA's released config)."),
         paper="assistant (§2.3); all in SPA's released config")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = setting("token-mean", help=(
+    loss_agg: LossAgg = setting("token-mean", help=(
         "How a step's token losses make its loss (verl's loss_agg_mode, over the whole batch whatever the "
         'micro-batching and ranks): "token-mean" (every token weighs the same), "seq-mean-token-mean" '
         '(every episode weighs the same: the mean of its token mean), "seq-mean-token-sum" (the mean over '

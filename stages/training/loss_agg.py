@@ -19,9 +19,13 @@ and the sequence it belongs to, every token of a sequence lying in one micro-bat
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from stages.common.config import LossAgg
+
+LOSS_AGGS = get_args(LossAgg)
 
 
 def batch_normalizer(mode: str, tokens: int, sequences: int) -> int:
