@@ -186,8 +186,7 @@ def run(config: SPAConfig, out: str | Path, states: int = DEFAULT_STATES, first_
 
 def cases_path(out: str | Path) -> Path:
     """``probe.json`` -> ``probe.cases.jsonl``."""
-    out = Path(out)
-    return out.with_name(f"{out.stem}.cases.jsonl")
+    return artifacts.sidecar_path(out, "cases")
 
 
 def summarize(rows: list[dict]) -> dict[str, Any]:

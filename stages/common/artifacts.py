@@ -348,6 +348,12 @@ def write_manifest(artifact: str | Path, data: dict) -> Path:
     return path
 
 
+def sidecar_path(report: str | Path, name: str) -> Path:
+    """The JSONL of a report's rows beside it: (`report.json`, "trajectories") -> `report.trajectories.jsonl`."""
+    report = Path(report)
+    return report.with_name(f"{report.stem}.{name}.jsonl")
+
+
 def val_path(path: str | Path) -> Path:
     """Where the validation split of a JSONL lives: `sft.jsonl` -> `sft.val.jsonl`."""
     path = Path(path)

@@ -33,8 +33,7 @@ COMPARABLE_DESPITE = ("model", "prompt_mode", "render_mode", "backend", "version
 
 def trajectories_path(out: str | Path) -> Path:
     """Where the episodes of the report at ``out`` go: ``report.json`` -> ``report.trajectories.jsonl``."""
-    out = Path(out)
-    return out.with_name(f"{out.stem}.trajectories.jsonl")
+    return artifacts.sidecar_path(out, "trajectories")
 
 
 def report_settings(config: SPAConfig, env: TextGameEnv, n: int, k: int, model: str) -> dict[str, Any]:
