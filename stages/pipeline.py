@@ -547,6 +547,8 @@ def describe(the_plan: Plan) -> str:
     status = statuses(the_plan)
     by_name = {stage.name: plan for stage, plan in memory_plans(the_plan)}
     config = the_plan.config
+    # without a GPU here the plans are sized for DEFAULT_GPU_GIB: say so, the run itself is on the CPU
+    gpu_note = "" if memory.gpu_capacity() else " (planned for one 80 GB GPU; none here)"
     title = (f"spa pipeline: {the_plan.dir} ({config.env.name}, {config.model.name}): {len(the_plan.arms)} arms, "
              f"{len(the_plan.stages)} stages")
     lines = [title, "", "arms (rows of table.md):"]
@@ -563,7 +565,7 @@ def describe(the_plan: Plan) -> str:
             lines.append(f"      {'prompt':<8} {info['prompt_mode']}, states {info['render_mode']}")
         lines += [f"      {'size':<8} {info['size']}", f"      {'output':<8} {info['output']}"]
         if stage.name in by_name:
-            lines.append(f"      {'memory':<8} {memory.verdict(by_name[stage.name])}")
+            lines.append(f"      {'memory':<8} {memory.verdict(by_name[stage.name])}{gpu_note}")
     return "\n".join(lines)
 
 
@@ -589,7 +591,9 @@ def memory_plans(the_plan: Plan, gpus: int = 1, capacity: int | None = None,
         if stage.kind == "clean":
             continue
         shape = model_shape(starting_model(stage), stage.config.model.trust_remote_code, download)
-        planned.append((stage, memory.plan_stage(stage.kind, stage.config, shape, gpus, capacity, stage.name)))
+        plan = memory.plan_stage(stage.kind, stage.config, shape, gpus, capacity, stage.name)
+        if plan.need:  # a random-policy generate loads no model
+            planned.append((stage, plan))
     return planned
 
 

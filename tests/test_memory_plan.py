@@ -396,6 +396,21 @@ def test_a_dry_run_of_the_gpu_recipe_needs_neither_the_network_nor_vllm(no_netwo
     assert len(verdicts) == 16  # every stage of the 8 arms but cleaning
 
 
+def test_a_cpu_dry_run_says_its_gpu_figures_are_for_a_gpu_it_does_not_have(no_network, monkeypatch, tmp_path):
+    monkeypatch.setattr(memory, "gpu_capacity", lambda: None)
+    result = runner.invoke(app, ["pipeline", "--config", str(ROOT / "configs" / "demo.yaml"), "--dry-run",
+                                 "--set", f"pipeline.dir={tmp_path}"])
+    assert result.exit_code == 0, result.output
+    stages = re.split(r"\n  (?=\S+/\S+  \[)", result.output)[1:]  # one block per stage
+    memory_lines = {block.split()[0]: [line for line in block.splitlines() if line.strip().startswith("memory")]
+                    for block in stages}
+    assert memory_lines["generate/selfplay"] == []  # random actions: no model, nothing to plan
+    assert memory_lines["clean/selfplay"] == []
+    planned = [lines for name, lines in memory_lines.items() if name.split("/")[0] in ("sft", "ppo", "eval")]
+    assert planned and all(len(lines) == 1 for lines in planned)
+    assert all(lines[0].endswith(" of 79.2: fits (planned for one 80 GB GPU; none here)") for lines in planned)
+
+
 def test_a_dry_run_names_a_stage_that_would_not_fit(no_network):
     result = runner.invoke(app, ["pipeline", "--config", str(EASY2HARD), "--dry-run", "--set", "ppo.offload=false"])
     assert result.exit_code == 2 and no_network == []
