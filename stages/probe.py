@@ -22,8 +22,11 @@ Protocol:
    ``<think> <observation>{state}</observation> {reasoning} <prediction>``, with the random
    backend's reasoning sentence naming the action (``rollout.random_reasoning: actions``), which is
    the layout `spa clean` gives RandSFT data, so a model trained on it reads its own format.
-4. Prediction: greedy decoding (the rollout backend with temperature 0) up to ``</prediction>``,
-   at most twice the longest true state's tokens plus `EXTRA_TOKENS`. Scored against the intended
+4. Prediction: greedy decoding of every case in one batch (the hf backend with temperature 0: the
+   prompts' common prefix is prefilled once) up to ``</prediction>``, at most as many tokens as the
+   longest true state with its ``</prediction>`` plus `EXTRA_TOKENS`: a longer prediction cannot be
+   exact (the margin lets the true text through in another tokenization), and one cut there is
+   scored as written up to the cut. Scored against the intended
    next state (FrozenLake: the no-slip outcome) by exact match and cell accuracy
    (`stages.agent.states`), against every possible outcome (``any_outcome``: a slip counts), and
    against the current state (``copies``).
@@ -31,9 +34,12 @@ Protocol:
    log-likelihood of each, followed by ``</prediction>``, in the same context: per-token means
    over the cases (token-weighted) and the share of cases where the true state is the more likely
    text (``true_more_likely``). A copier puts the copy first, however its greedy text reads.
+6. Figures: per kind of action (``effects``), over the cases whose action changes the state
+   (``changed``: the headline, where copying scores nothing) and over all cases (``all``).
 
-Simplifications: one turn, no history; the likelihood runs one forward per text (the greedy
-decode shares the prompts' common prefix through the backend's KV reuse).
+Simplifications: one turn, no history; the actions of one state share its prompt up to the
+reasoning sentence, but only the prefix common to every case is computed once (in the decode and
+in the likelihood), the rest once per case.
 """
 
 from __future__ import annotations
@@ -57,10 +63,11 @@ from stages.common.config import SPAConfig
 from stages.common.console import Console, duration
 from stages.common.errors import UserError
 from stages.common.models import check_model_name
+from stages.common.prefix_tree import common_prefix_len
 from stages.common.seeds import stable_seed
 
 REPORT_FORMAT = "spa-probe-report"
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 #: First probe seed: apart from the eval seeds (123..) and the train seeds (10000..).
 PROBE_FIRST_SEED = 1000
 DEFAULT_STATES = 32
@@ -68,8 +75,13 @@ MAX_RANDOM_MOVES = 3
 PREDICTION_END = "</prediction>"
 EXTRA_TOKENS = 16
 
-#: (context, target) -> (summed negative log-likelihood of target after context, its tokens).
-Likelihood = Callable[[str, str], tuple[float, int]]
+#: [(context, target)] -> per pair, in order: (summed negative log-likelihood of target after
+#: context, its tokens).
+Likelihood = Callable[[list[tuple[str, str]]], list[tuple[float, int]]]
+#: Tokens of one likelihood forward (rows x columns) and logits it keeps (rows x columns x
+#: vocabulary): they bound its memory.
+FORWARD_TOKENS = 4096
+FORWARD_LOGITS = 2 ** 26
 
 
 @dataclass
@@ -160,11 +172,11 @@ def run(config: SPAConfig, out: str | Path, states: int = DEFAULT_STATES, first_
     try:
         contexts = [_render(backend.tokenizer, case) for case in cases]
         predictions = _predict(backend, cases, contexts)
-        rows = []
-        with console.progress("probe likelihood", len(cases), unit="cases", transient=True) as bar:
-            for case, context, prediction in zip(cases, contexts, predictions):
-                rows.append(_score(case, context, prediction, likelihood))
-                bar.advance()
+        changing = [(case, context) for case, context in zip(cases, contexts) if case.changes]
+        scores = iter(likelihood([(context, text + PREDICTION_END) for case, context in changing
+                                  for text in (case.truth, case.observation)]))
+        rows = [_score(case, prediction, (next(scores), next(scores)) if case.changes else None)
+                for case, prediction in zip(cases, predictions)]
     finally:
         if opened:
             backend.close()
@@ -174,6 +186,7 @@ def run(config: SPAConfig, out: str | Path, states: int = DEFAULT_STATES, first_
         "settings": _settings(config, render_mode, seeds, backend),
         "effects": {effect: summarize([r for r in rows if r["effect"] == effect])
                     for effect in game.action_effects if any(r["effect"] == effect for r in rows)},
+        "changed": summarize([r for r in rows if r["changes"]]) if any(r["changes"] for r in rows) else None,
         "all": summarize(rows),
         "cases": str(cases_path(out)),
         "wall_s": round(time.perf_counter() - started, 1),
@@ -218,22 +231,67 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 
 
 def model_likelihood(model: Any, tokenizer: Any) -> Likelihood:
-    """The `Likelihood` of a causal LM: one forward over context and target (`perplexity`'s split)."""
+    """The `Likelihood` of a causal LM, batched.
+
+    Each pair is tokenized whole and split where the context's tokens end (`perplexity`'s
+    `split_continuation`). The contexts' longest common token prefix is run once; each pair's
+    rest (its own context, then its target) runs from that prefix's keys and values, several pairs
+    a forward, right-padded: in a causal model no real token sees the padding after it, so no mask
+    is needed and each row's figures equal those of a forward over it alone."""
     import torch
 
-    from stages.evaluation.perplexity import split_continuation, target_nll
+    from stages.evaluation.perplexity import split_continuation
 
     device = next(model.parameters()).device
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def nll(context: str, target: str) -> tuple[float, int]:
-        context_ids, target_ids = split_continuation(tokenizer, context, target)
+    def rows_nll(rows: list[tuple[list[int], list[int]]], prefix: Any) -> list[float]:
+        """Summed NLL of each row's target after its context, all after the cached `prefix`."""
+        width = max(len(context) + len(target) for context, target in rows)
+        first = min(len(context) for context, _ in rows) - 1  # the first column that predicts a target token
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        for i, (context, target) in enumerate(rows):
+            ids[i, :len(context) + len(target)] = torch.tensor(context + target)
+        cache = None
+        if prefix is not None:
+            cache = copy.deepcopy(prefix)
+            cache.batch_repeat_interleave(len(rows))
+        logits = model(input_ids=ids.to(device), past_key_values=cache, use_cache=cache is not None,
+                       logits_to_keep=width - first).logits.float()
+        sums = []
+        for i, (context, target) in enumerate(rows):
+            start = len(context) - 1 - first
+            logp = torch.log_softmax(logits[i, start:start + len(target)], dim=-1)
+            sums.append(float(-logp.gather(1, torch.tensor(target, device=device)[:, None]).sum()))
+        return sums
+
+    def nll(pairs: list[tuple[str, str]]) -> list[tuple[float, int]]:
+        if not pairs:
+            return []
+        split = [split_continuation(tokenizer, context, target) for context, target in pairs]
+        if any(not context or not target for context, target in split):
+            raise RuntimeError("the probe's likelihood needs a non-empty context and target")
+        shared = min(len(context) for context, _ in split) - 1  # every row keeps a token of its context
+        for context, _ in split[1:]:
+            shared = min(shared, common_prefix_len(split[0][0], context))
+        rows = [(context[shared:], target) for context, target in split]
+        longest = max(len(context) + len(target) for context, target in rows)
+        kept = longest - min(len(context) for context, _ in rows) + 1
+        per_forward = max(1, min(FORWARD_TOKENS // longest, FORWARD_LOGITS // (kept * vocabulary)))
         was_training = model.training
         model.eval()
         try:
             with torch.inference_mode():
-                return target_nll(model, context_ids, target_ids, device), len(target_ids)
+                prefix = None
+                if shared:
+                    prefix = model(input_ids=torch.tensor([split[0][0][:shared]], device=device), use_cache=True,
+                                   logits_to_keep=1).past_key_values
+                sums = [value for start in range(0, len(rows), per_forward)
+                        for value in rows_nll(rows[start:start + per_forward], prefix)]
         finally:
             model.train(was_training)
+        return [(value, len(target)) for value, (_, target) in zip(sums, split)]
 
     return nll
 
@@ -254,8 +312,8 @@ def _render(tokenizer: Any, case: Case) -> str:
 def _predict(backend: Any, cases: list[Case], contexts: list[str]) -> list[str]:
     """Each case's greedy prediction, the text before ``</prediction>`` (step 4)."""
     tokenizer = backend.tokenizer
-    longest = max(len(tokenizer.encode(case.truth, add_special_tokens=False)) for case in cases)
-    params = SamplingParams(max_new_tokens=2 * longest + EXTRA_TOKENS, temperature=0.0, stop=(PREDICTION_END,))
+    longest = max(len(tokenizer.encode(case.truth + PREDICTION_END, add_special_tokens=False)) for case in cases)
+    params = SamplingParams(max_new_tokens=longest + EXTRA_TOKENS, temperature=0.0, stop=(PREDICTION_END,))
     requests = [GenerationRequest(f"probe-{case.seed}-{case.action}", tokenizer.encode(context, add_special_tokens=False))
                 for case, context in zip(cases, contexts)]
     completions = backend.generate(requests, params)
@@ -263,11 +321,15 @@ def _predict(backend: Any, cases: list[Case], contexts: list[str]) -> list[str]:
     return [completion.text.split(PREDICTION_END)[0] for completion in completions]
 
 
-def _score(case: Case, context: str, prediction: str, likelihood: Likelihood) -> dict[str, Any]:
+def _score(case: Case, prediction: str, likelihoods: tuple[tuple[float, int], tuple[float, int]] | None
+           ) -> dict[str, Any]:
+    """A case's row: its prediction scored, and (where the action changes the state) the
+    likelihoods of the true state and of the copy."""
     row = {
         "seed": case.seed,
         "action": case.action,
         "effect": case.effect,
+        "changes": case.changes,
         "observation": case.observation,
         "truth": case.truth,
         "prediction": prediction,
@@ -277,9 +339,8 @@ def _score(case: Case, context: str, prediction: str, likelihood: Likelihood) ->
         "copies": states_match(prediction, case.observation),
         "likelihood": None,
     }
-    if case.changes:
-        true_nll, true_tokens = likelihood(context, case.truth + PREDICTION_END)
-        copy_nll, copy_tokens = likelihood(context, case.observation + PREDICTION_END)
+    if likelihoods is not None:
+        (true_nll, true_tokens), (copy_nll, copy_tokens) = likelihoods
         row["likelihood"] = {"true_nll": true_nll, "true_tokens": true_tokens,
                              "copy_nll": copy_nll, "copy_tokens": copy_tokens}
     return row

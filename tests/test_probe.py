@@ -53,6 +53,12 @@ def copier_backend():
     return FakeBackend(observation_of)
 
 
+def per_pair(likelihood):
+    """A batched `probe.Likelihood` from a function of one (context, target) pair."""
+    return lambda pairs: [likelihood(context, target) for context, target in pairs]
+
+
+@per_pair
 def copier_likelihood(context, target):
     """-0.5 nats a character for the copy, -2 for anything else."""
     per_char = 0.5 if target == observation_of(context) + "</prediction>" else 2.0
@@ -74,6 +80,9 @@ def test_copier_is_exact_on_walls_and_wrong_on_moves(tmp_path):
     assert ll["true_logprob_per_token"] == -2.0 and ll["copy_logprob_per_token"] == -0.5
     assert ll["true_more_likely"] == 0.0
     assert report["all"]["cases"] == 16 and sum(f["cases"] for f in effects.values()) == 16
+    changing = sum(f["cases"] for name, f in effects.items() if name in ("move", "push"))
+    assert report["changed"]["cases"] == changing and report["changed"]["exact"] == 0.0
+    assert report["changed"]["copies"] == 1.0 and report["changed"]["likelihood"]["cases"] == changing
     assert json.loads(out.read_text()) == report
     rows = [json.loads(line) for line in probe.cases_path(out).read_text().splitlines()]
     assert len(rows) == 16 and {r["action"] for r in rows} == {"Up", "Down", "Left", "Right"}
@@ -85,40 +94,48 @@ def test_oracle_is_exact_everywhere(tmp_path):
     cases = probe.probe_cases(cfg, "coords", range(probe.PROBE_FIRST_SEED, probe.PROBE_FIRST_SEED + 4))
     truth = {probe._render(CharTokenizer(), c): c.truth for c in cases}
     report = probe.run(cfg, tmp_path / "p.json", states=4, backend=FakeBackend(truth.__getitem__),
-                       likelihood=lambda context, target: (0.1 * len(target) if target[:-13] == truth[context]
-                                                           else 3.0 * len(target), len(target)))
+                       likelihood=per_pair(lambda context, target: (0.1 * len(target) if target[:-13] == truth[context]
+                                                                    else 3.0 * len(target), len(target))))
     assert report["all"]["exact"] == 1.0 and report["all"]["cells"] == 1.0
     moves = report["effects"]["move"]
     assert moves["copies"] == 0.0 and moves["likelihood"]["true_more_likely"] == 1.0
+    assert report["changed"]["exact"] == 1.0 and report["changed"]["likelihood"]["true_more_likely"] == 1.0
 
 
-@pytest.mark.parametrize("env,states,message", [("countdown", 2, "countdown has no"), ("sokoban", 0, "at least 1 state")])
-def test_bad_input_is_one_user_error(tmp_path, env, states, message):
-    with pytest.raises(UserError, match=message):
-        probe.run(config(tmp_path, env), tmp_path / "p.json", states=states, backend=copier_backend(),
-                  likelihood=copier_likelihood)
+def test_the_decode_stops_where_a_prediction_can_no_longer_be_exact(tmp_path):
+    """The token bound is the longest true state with its </prediction> plus the margin."""
+    cfg = config(tmp_path)
+    cases = probe.probe_cases(cfg, "coords", range(probe.PROBE_FIRST_SEED, probe.PROBE_FIRST_SEED + 2))
+    backend = copier_backend()
+    asked = []
+    real_generate = backend.generate
+    backend.generate = lambda requests, params: asked.append(params) or real_generate(requests, params)
+    probe.run(cfg, tmp_path / "p.json", states=2, backend=backend, likelihood=copier_likelihood)
+    longest = max(len(c.truth + "</prediction>") for c in cases)  # one token a character
+    assert [(p.max_new_tokens, p.temperature, p.stop) for p in asked] == [
+        (longest + probe.EXTRA_TOKENS, 0.0, ("</prediction>",))]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--env", "nogame"], "nogame"),
-    (["--env", "countdown"], "countdown has no"),
-    (["--env", "sokoban", "--states", "0"], "at least 1 state"),
-    (["--env", "sokoban", "--model-dir-missing"], "is not a built-in name"),
-])
-def test_cli_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, monkeypatch, args, message):
-    from typer.testing import CliRunner
+@pytest.mark.parametrize("forward_tokens", [probe.FORWARD_TOKENS, 30, 60])  # all rows, then one or two a forward
+def test_the_batched_likelihood_equals_one_forward_per_pair(tokenizer, monkeypatch, forward_tokens):
+    """Shared prefix, right padding and chunks change nothing: each pair's NLL equals a plain forward
+    over its context and target (fp32; what differs is the rounding of sums of a few dozen
+    log-probs of ~10 nats, far below 1e-4 relative)."""
+    import torch
+    from helpers import lively_model
 
-    from spa_cli.main import app
-    from stages.common import models
+    from stages.evaluation.perplexity import split_continuation, target_nll
 
-    def no_load(*_):
-        raise AssertionError("the model was loaded before the input was checked")
-
-    monkeypatch.setattr(models, "load_model", no_load)
-    model = str(tmp_path / "no-such-model") if "--model-dir-missing" in args else "smollm2-135m"
-    args = [a for a in args if a != "--model-dir-missing"]
-    result = CliRunner().invoke(app, ["probe", model, *args, "--out", str(tmp_path / "p.json")])
-    assert result.exit_code == 2, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
-    assert not (tmp_path / "p.json").exists()
+    monkeypatch.setattr(probe, "FORWARD_TOKENS", forward_tokens)
+    model = lively_model(tokenizer, seed=3)
+    head = "<|im_start|>system\nYou push boxes.<|im_end|>\n<|im_start|>user\nThe board:\n"
+    pairs = [(head + board + " I move " + move + ". <prediction>", state + "</prediction>")
+             for board, state in (("#_P_#\n#_X_#", "#__P#\n#_X_#"), ("#P__#\n#OX_#", "#_P_#"))
+             for move in ("Up", "Right")] + [(head + "#", "#_P_#</prediction>")]
+    batched = probe.model_likelihood(model, tokenizer)(pairs)
+    assert len(batched) == len(pairs)
+    with torch.inference_mode():
+        for (context, target), (value, tokens) in zip(pairs, batched):
+            context_ids, target_ids = split_continuation(tokenizer, context, target)
+            assert tokens == len(target_ids)
+            assert value == pytest.approx(target_nll(model, context_ids, target_ids, "cpu"), rel=1e-4)
