@@ -17,7 +17,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
@@ -418,20 +418,38 @@ def _output_format(format_: str, as_json: bool) -> str:
 @eval_app.command("compare")
 @user_errors
 def eval_compare(
-    reports: Annotated[list[Path], typer.Argument(help="report.json files from `spa eval`.")],
+    reports: Annotated[list[Path], typer.Argument(help="report.json files from `spa eval`, or probe.json "
+                                                       "files from `spa probe`.")],
     force: Annotated[bool, typer.Option(help="Compare even if the settings differ.")] = False,
     plot: Annotated[Path | None, typer.Option(help="Draw the reports' Pass@k curves, with 95% bands, into "
                                               "this PNG.", show_default="none")] = None,
     format_: FormatOpt = "table", as_json: JsonOpt = False,
 ) -> None:
-    """Print several eval reports side by side, like the paper's Table 2.
+    """Print several eval reports side by side, like the paper's Table 2, or several probe reports.
 
     Each report's Pass@1 and Pass@k in percent, and its difference from the first report's with a
-    95% interval; --json gives the same figures as fractions, --format markdown as a table."""
+    95% interval; --json gives the same figures as fractions, --format markdown as a table. Probe
+    reports show each model's exact and cell accuracy where the action changes the state, how
+    often it finds the true next state more likely than the copy, and exact per kind of action."""
+    from stages import probe as stage_probe
     from stages.evaluation import plots, tables
     from stages.evaluation import reports as eval_reports
 
     shape = _output_format(format_, as_json)
+    probes = [stage_probe.is_report(path) for path in reports]
+    if any(probes):
+        if not all(probes):
+            _fail("the reports mix spa probe and spa eval reports; compare one kind at a time")
+        if plot is not None:
+            _fail("--plot draws Pass@k curves, which probe reports do not have; leave it out")
+        rows = stage_probe.compare_rows(reports, force=force)
+        if shape == "json":
+            typer.echo(json.dumps(rows, indent=2))
+        elif shape == "markdown":
+            typer.echo(tables.markdown_table(*stage_probe.compare_cells(rows)), nl=False)
+        else:
+            _print_table(f"spa probe: {rows[0]['env']} (%)", *stage_probe.compare_cells(rows))
+        return
     if plot is not None:
         plots.check_plot(plot)
     rows = eval_reports.compare_rows(reports, force=force)
@@ -532,10 +550,8 @@ def probe(
     Every action of held-out states, split by what it does (Sokoban: move, wall, push, push_blocked):
     greedy predictions by exact match, cells and copies, and whether the model finds the true next
     state more likely than the unchanged one."""
-    from rich.table import Table
-
     from stages import probe as stage
-    from stages.evaluation.tables import markdown_table, print_wide
+    from stages.evaluation.tables import markdown_table
 
     shape = _output_format(format_, as_json)
     cfg = _load(config, set_, quiet, model__name=model, env__name=env, eval__render_mode=render_mode)
@@ -547,11 +563,19 @@ def probe(
         typer.echo(markdown_table(stage.HEADINGS, stage.table_cells(report)), nl=False)
     else:
         settings = report["settings"]
-        table = Table(*stage.HEADINGS, title=f"spa probe: {settings['model']} on {settings['env']} "
-                                               f"({settings['states']} states)")
-        for row in stage.table_cells(report):
-            table.add_row(*row)
-        print_wide(table, console)
+        _print_table(f"spa probe: {settings['model']} on {settings['env']} ({settings['states']} states)",
+                     stage.HEADINGS, stage.table_cells(report))
+
+
+def _print_table(title: str, headers: Sequence[str], cells: Sequence[Sequence[str]]) -> None:
+    from rich.table import Table
+
+    from stages.evaluation.tables import print_wide
+
+    table = Table(*headers, title=title)
+    for row in cells:
+        table.add_row(*row)
+    print_wide(table, console)
 
 
 @app.command()

@@ -47,7 +47,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -371,11 +371,13 @@ HEADINGS = ("effect", "cases", "exact %", "cells %", "any outcome %", "copies %"
             "true logp/tok", "copy logp/tok", "true > copy %")
 
 
-def table_cells(report: dict) -> list[tuple[str, ...]]:
-    """One row per kind of action, then "all": the figures of `HEADINGS`, as text."""
-    def percent(value: float | None) -> str:
-        return "-" if value is None else f"{100 * value:.1f}"
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
 
+
+def table_cells(report: dict) -> list[tuple[str, ...]]:
+    """One row per kind of action, then "changed" (when an action changed the state) and "all":
+    the figures of `HEADINGS`, as text."""
     def row(name: str, figures: dict) -> tuple[str, ...]:
         ll = figures["likelihood"] or {}
         logp = (f"{ll[key]:.3f}" if ll else "-" for key in ("true_logprob_per_token", "copy_logprob_per_token"))
@@ -383,7 +385,58 @@ def table_cells(report: dict) -> list[tuple[str, ...]]:
                 percent(figures["any_outcome"]), percent(figures["copies"]), str(ll.get("cases", 0)), *logp,
                 percent(ll.get("true_more_likely")))
 
-    return [row(name, figures) for name, figures in report["effects"].items()] + [row("all", report["all"])]
+    blocks = [*report["effects"].items(), *([("changed", report["changed"])] if report["changed"] else []),
+              ("all", report["all"])]
+    return [row(name, figures) for name, figures in blocks]
+
+
+def headline(report: dict) -> dict[str, float | None]:
+    """The figures that tell a world model from a copier: exact and cell accuracy on the cases whose
+    action changes the state, and the share of them where the true state is the more likely text."""
+    changed = report["changed"] or {}
+    return {"changed_exact": changed.get("exact"), "changed_cells": changed.get("cells"),
+            "true_more_likely": (changed.get("likelihood") or {}).get("true_more_likely")}
+
+
+#: Settings that may differ between probe reports put side by side: what was probed, and provenance.
+COMPARABLE_DESPITE = ("model", "dtype", "spa_version", "versions")
+
+
+def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[str, Any]]:
+    """One row per probe report: its model, its `headline`, exact per kind of action and over all
+    cases; refused when the reports asked other questions (game, states, prompt), unless `force`."""
+    reports = [load_report(path) for path in paths]
+    first = reports[0]["settings"]
+    for path, report in zip(paths[1:], reports[1:]):
+        settings = report["settings"]
+        changed = next((key for key in sorted(set(first) | set(settings))
+                        if key not in COMPARABLE_DESPITE and first.get(key) != settings.get(key)), None)
+        if changed is not None and not force:
+            raise UserError(f"{path} was probed with {changed}={settings.get(changed)!r} but {paths[0]} with "
+                            f"{changed}={first.get(changed)!r}; compare probes of the same questions, or pass --force")
+    return [{"report": str(path), "model": report["settings"]["model"], "env": report["settings"]["env"],
+             "cases": report["all"]["cases"], **headline(report),
+             "exact": {effect: figures["exact"] for effect, figures in report["effects"].items()} | {
+                 "all": report["all"]["exact"]}}
+            for path, report in zip(paths, reports)]
+
+
+def compare_cells(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Headers and cells (percent) of probe reports side by side (`compare_rows`)."""
+    effects = list(dict.fromkeys(effect for row in rows for effect in row["exact"]))
+    headers = ("report", "model", "cases", "exact, changed %", "cells, changed %", "true > copy %",
+               *(f"exact {effect} %" for effect in effects))
+    cells = [(row["report"], row["model"], str(row["cases"]), percent(row["changed_exact"]),
+              percent(row["changed_cells"]), percent(row["true_more_likely"]),
+              *(percent(row["exact"].get(effect)) for effect in effects)) for row in rows]
+    return headers, cells
+
+
+def is_report(path: str | Path) -> bool:
+    """Whether the JSON file `path` is a probe report (of any version) rather than, say, an eval
+    report; a file that cannot be read as JSON is a UserError."""
+    report = artifacts.read_json(path)
+    return isinstance(report, dict) and report.get("format") == REPORT_FORMAT
 
 
 def load_report(path: str | Path) -> dict:

@@ -139,3 +139,77 @@ def test_the_batched_likelihood_equals_one_forward_per_pair(tokenizer, monkeypat
             context_ids, target_ids = split_continuation(tokenizer, context, target)
             assert tokens == len(target_ids)
             assert value == pytest.approx(target_nll(model, context_ids, target_ids, "cpu"), rel=1e-4)
+
+
+@pytest.mark.parametrize("env,states,message", [("countdown", 2, "countdown has no"), ("sokoban", 0, "at least 1 state")])
+def test_bad_input_is_one_user_error(tmp_path, env, states, message):
+    with pytest.raises(UserError, match=message):
+        probe.run(config(tmp_path, env), tmp_path / "p.json", states=states, backend=copier_backend(),
+                  likelihood=copier_likelihood)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--env", "nogame"], "nogame"),
+    (["--env", "countdown"], "countdown has no"),
+    (["--env", "sokoban", "--states", "0"], "at least 1 state"),
+    (["--env", "sokoban", "--model-dir-missing"], "is not a built-in name"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2_before_any_model_loads(tmp_path, monkeypatch, args, message):
+    from typer.testing import CliRunner
+
+    from spa_cli.main import app
+    from stages.common import models
+
+    def no_load(*_):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(models, "load_model", no_load)
+    model = str(tmp_path / "no-such-model") if "--model-dir-missing" in args else "smollm2-135m"
+    args = [a for a in args if a != "--model-dir-missing"]
+    result = CliRunner().invoke(app, ["probe", model, *args, "--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_eval_compare_puts_probe_reports_side_by_side(tmp_path):
+    """A copier and an oracle: the copier scores nothing where the state changes, the oracle all."""
+    from typer.testing import CliRunner
+
+    from spa_cli.main import app
+
+    cfg = config(tmp_path)
+    cases = probe.probe_cases(cfg, "coords", range(probe.PROBE_FIRST_SEED, probe.PROBE_FIRST_SEED + 2))
+    truth = {probe._render(CharTokenizer(), c): c.truth for c in cases}
+    copier, oracle = tmp_path / "copier.json", tmp_path / "oracle.json"
+    probe.run(cfg, copier, states=2, backend=copier_backend(), likelihood=copier_likelihood)
+    probe.run(cfg, oracle, states=2, backend=FakeBackend(truth.__getitem__),
+              likelihood=per_pair(lambda context, target: (0.1 if target[:-13] == truth[context] else 3.0, 1)))
+    runner = CliRunner()
+    result = runner.invoke(app, ["eval", "compare", str(copier), str(oracle), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    effects = list(json.loads(copier.read_text())["effects"])
+    assert [(r["report"], r["cases"], r["changed_exact"], r["true_more_likely"]) for r in rows] == [
+        (str(copier), 8, 0.0, 0.0), (str(oracle), 8, 1.0, 1.0)]
+    assert list(rows[0]["exact"]) == [*effects, "all"] and rows[1]["exact"]["all"] == 1.0
+    assert rows[0]["exact"].get("wall", 1.0) == 1.0 and rows[0]["exact"]["move"] == 0.0
+    result = runner.invoke(app, ["eval", "compare", str(copier), str(oracle), "--format", "markdown"])
+    lines = result.output.splitlines()
+    assert lines[0] == "| report | model | cases | exact, changed % | cells, changed % | true > copy % | " + " | ".join(
+        f"exact {effect} %" for effect in [*effects, "all"]) + " |"
+    assert lines[3].startswith(f"| {oracle} | smollm2-135m | 8 | 100.0 | 100.0 | 100.0 |")
+    result = runner.invoke(app, ["eval", "compare", str(copier), str(oracle)])
+    assert result.exit_code == 0 and "exact, changed %" in result.output and str(oracle) in result.output
+    other, eval_report = tmp_path / "other.json", tmp_path / "report.json"
+    eval_report.write_text(json.dumps({"format": "spa-eval-report"}))
+    probe.run(cfg, other, states=1, backend=copier_backend(), likelihood=copier_likelihood)
+    for args, says in ((["eval", "compare", str(copier), str(other)], "probed with states=1"),
+                       (["eval", "compare", str(copier), str(tmp_path / "missing.json")], "does not exist"),
+                       (["eval", "compare", str(copier), str(probe.cases_path(copier))], "cannot read"),
+                       (["eval", "compare", str(copier), str(eval_report)], "mix spa probe and spa eval"),
+                       (["eval", "compare", str(copier), str(oracle), "--plot", "x.png"], "Pass@k curves")):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and says in result.output, result.output
+    assert runner.invoke(app, ["eval", "compare", str(copier), str(other), "--force"]).exit_code == 0
