@@ -45,7 +45,9 @@ pipeline whose `env` is the 4x4 `frozen_lake` with a Qwen2.5-3B model is refused
 `env.options.size` says the board on purpose (`PAPER_BOARDS`), so that `--set model.name=...` on a
 1.5B config does not silently measure another table.
 
-Stages. Every arm is a chain of stages: generate -> clean -> sft -> ppo -> eval (the ones it has).
+Stages. Every arm is a chain of stages: generate -> clean -> sft -> ppo -> eval (the ones it has),
+and with `eval.probe_states` a probe of the model its eval plays, which asks every arm's model the
+same questions (the pipeline's game and render mode), so arms that end in one model share it.
 A stage that two arms share (spa_sft and spa share data, cleaning and SFT) runs once: two stages
 are the same when they read the same settings from the same upstream stages. Each stage has an id
 that names its output; a built-in arm's stages have fixed ids (spa's SFT is `sft/spa` whichever
@@ -57,6 +59,8 @@ equal its stages, and take the variant's name where they differ. Layout of `pipe
     sft/<id>/                    sft       world-model fine-tuning (final/ is the model)
     ppo/<id>/                    ppo       PPO (final/ is the model)
     eval/<id>.json               eval      the reports (+ .trajectories.jsonl)
+    probe/<id>.json              probe     with `eval.probe_states`: `spa probe` of an arm's final model
+                                           (+ .cases.jsonl), one per distinct model
     table.md                     the comparison, laid out like the paper's Table 2
     curves.png                   the training curves of sft/ and ppo/ (`spa plot`)
     pass_at_k.png                the Pass@k curves of the arms, with 95% bands
@@ -96,7 +100,7 @@ from stages.common.models import check_model_name, model_shape, pick_device
 from stages.training import memory
 
 STATE_FILE = "pipeline_state.json"
-KINDS = ("generate", "clean", "sft", "ppo", "eval")
+KINDS = ("generate", "clean", "sft", "ppo", "eval", "probe")
 #: The config sections each kind of stage reads: its fingerprint, and what makes two stages one.
 SECTIONS = {
     "generate": ("env", "model", "rollout", "generate"),
@@ -104,7 +108,11 @@ SECTIONS = {
     "sft": ("model", "sft"),
     "ppo": ("env", "model", "rollout", "ppo"),
     "eval": ("env", "model", "rollout", "eval"),
+    "probe": ("env", "model"),  # and `PROBE_KEYS`
 }
+#: What a probe reads besides its game and model: the same for every arm (the pipeline's), so that
+#: arms that end in the same model share its probe. Not part of the eval's fingerprint.
+PROBE_KEYS = {"eval": ("probe_states", "render_mode"), "rollout": ("max_actions_per_traj",)}
 #: What an arm's `set` may change: the settings of its own stages (the game it is evaluated on, the
 #: model and rollout settings are the pipeline's, so that every arm is measured on the same game in
 #: the same way; `train_env` is how an arm trains on another).
@@ -292,7 +300,7 @@ class Stage:
         """The path the next stage reads: the trajectories, the SFT rows, or a model."""
         cfg = self.config
         paths = {"generate": cfg.generate.out, "clean": cfg.clean.out, "sft": str(Path(cfg.sft.out) / "final"),
-                 "ppo": str(Path(cfg.ppo.out) / "final"), "eval": cfg.eval.out}
+                 "ppo": str(Path(cfg.ppo.out) / "final"), "eval": cfg.eval.out, "probe": cfg.eval.out}
         return paths[self.kind]
 
 
@@ -343,15 +351,31 @@ def resolve(config: SPAConfig, arm: Arm) -> list[Stage]:
         trained = copy.deepcopy(trained_on)
         trained.model.name, trained.ppo.out = model, CHAINED
         model = add("ppo", trained)
+    trained_model = chain[-1] if chain else None
     evaluated = copy.deepcopy(arm_config)
     evaluated.model.name, evaluated.eval.out = model, CHAINED
     add("eval", evaluated)
+    if config.eval.probe_states:  # of the arm's final model, asked what every arm's model is asked
+        probed = copy.deepcopy(config)
+        probed.model.name, probed.eval.out = model, CHAINED
+        chain.append(Stage("probe", "", probed, trained_model, _key("probe", probed, trained_model)))
     return chain
 
 
-def _key(kind: str, config: SPAConfig, upstream: Stage | None) -> str:
+def _sections(kind: str, config: SPAConfig) -> dict[str, Any]:
+    """The settings a stage of `kind` reads (`SECTIONS`, `PROBE_KEYS`)."""
     data = asdict(config)
     sections = {section: data[section] for section in SECTIONS[kind]}
+    if kind == "probe":
+        sections["probe"] = {f"{section}.{key}": data[section][key] for section, keys in PROBE_KEYS.items()
+                             for key in keys}
+    if kind == "eval":
+        del sections["eval"]["probe_states"]
+    return sections
+
+
+def _key(kind: str, config: SPAConfig, upstream: Stage | None) -> str:
+    sections = _sections(kind, config)
     if kind == "generate" and config.rollout.backend == "random":
         del sections["model"]  # random actions: the model does not play
     return json.dumps({"kind": kind, "sections": sections, "upstream": upstream.key if upstream else None},
@@ -360,13 +384,15 @@ def _key(kind: str, config: SPAConfig, upstream: Stage | None) -> str:
 
 @dataclass
 class Plan:
-    """Every stage of the run in the order they run, and the eval stage of each arm (the rows)."""
+    """Every stage of the run in the order they run, the eval stage of each arm (the rows) and, with
+    `eval.probe_states`, the probe of each arm's final model (arms that end in one model share it)."""
 
     config: SPAConfig
     dir: Path
     arms: list[Arm]
     stages: list[Stage]
     rows: dict[str, Stage]
+    probes: dict[str, Stage] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         status = statuses(self)
@@ -374,7 +400,9 @@ class Plan:
         return {
             "dir": str(self.dir), "env": self.config.env.name, "model": self.config.model.name,
             "arms": [{"name": arm.name, "label": arm.label, "stages": _arm_stages(self.rows[arm.name]),
-                      "report": self.rows[arm.name].config.eval.out} for arm in self.arms],
+                      "report": self.rows[arm.name].config.eval.out,
+                      "probe": self.probes[arm.name].config.eval.out if arm.name in self.probes else None}
+                     for arm in self.arms],
             "stages": [{"name": stage.name, **describe_stage(stage), "status": status[stage.name],
                         **({"memory": planned[stage.name].to_json()} if stage.name in planned else {})}
                        for stage in self.stages],
@@ -405,6 +433,7 @@ def plan(config: SPAConfig) -> Plan:
     by_id: dict[tuple[str, str], Stage] = {}
     stages: list[Stage] = []
     rows: dict[str, Stage] = {}
+    probes: dict[str, Stage] = {}
     for arm in ordered:
         if arm.model:
             _in_arm(arm, check_model_name, arm.model)
@@ -424,11 +453,13 @@ def plan(config: SPAConfig) -> Plan:
             _place(spec, Path(config.pipeline.dir))
             by_key[spec.key] = by_id[spec.kind, spec.id] = spec
             stages.append(spec)
-        rows[arm.name] = by_key[chain[-1].key]
+        for spec in chain:
+            if spec.kind in ("eval", "probe"):
+                (rows if spec.kind == "eval" else probes)[arm.name] = by_key[spec.key]
     for stage in stages:
         _in_arm(stage, check_stage, stage)
     _check_same_eval(config, chosen, rows)
-    return Plan(config, Path(config.pipeline.dir), chosen, stages, rows)
+    return Plan(config, Path(config.pipeline.dir), chosen, stages, rows, probes)
 
 
 def _place(stage: Stage, root: Path) -> None:
@@ -446,7 +477,7 @@ def _place(stage: Stage, root: Path) -> None:
         cfg.ppo.out = str(root / "ppo" / stage.id)
     else:
         cfg.model.name = upstream if cfg.model.name == CHAINED else cfg.model.name
-        cfg.eval.out = str(root / "eval" / f"{stage.id}.json")
+        cfg.eval.out = str(root / stage.kind / f"{stage.id}.json")
 
 
 def check_stage(stage: Stage) -> None:
@@ -472,6 +503,10 @@ def check_stage(stage: Stage) -> None:
 
         sample_plan(cfg.eval)
         check_modes(cfg.env, cfg.eval.prompt_mode, cfg.eval.render_mode, "eval")
+    elif stage.kind == "probe":
+        from stages import probe
+
+        probe.check(cfg, cfg.eval.probe_states)
 
 
 def _in_arm(where: Arm | Stage, check: Callable[[Any], None], value: Any) -> None:
@@ -533,6 +568,10 @@ def describe_stage(stage: Stage) -> dict[str, Any]:
                  "render_mode": p.render_mode,
                  "size": f"{p.steps} steps of {rollout.groups} x {rollout.group_size} episodes{reward}",
                  "output": str(Path(p.out) / "final")}
+    elif stage.kind == "probe":
+        info |= {"env": cfg.env.name, "model": cfg.model.name, "prompt_mode": "world_model",
+                 "render_mode": cfg.eval.render_mode,
+                 "size": f"{cfg.eval.probe_states} states, every action of each", "output": cfg.eval.out}
     else:
         e = cfg.eval
         n = e.pass_k if e.n is None else e.n
@@ -553,7 +592,8 @@ def describe(the_plan: Plan) -> str:
              f"{len(the_plan.stages)} stages")
     lines = [title, "", "arms (rows of table.md):"]
     for arm in the_plan.arms:
-        lines.append(f"  {arm.name:<26} {arm.label:<40} {' -> '.join(_arm_stages(the_plan.rows[arm.name]))}")
+        probed = f", {the_plan.probes[arm.name].name}" if arm.name in the_plan.probes else ""
+        lines.append(f"  {arm.name:<26} {arm.label:<40} {' -> '.join(_arm_stages(the_plan.rows[arm.name]))}{probed}")
     lines += ["", "stages, in the order they run:"]
     for stage in the_plan.stages:
         info = describe_stage(stage)
@@ -588,7 +628,7 @@ def memory_plans(the_plan: Plan, gpus: int = 1, capacity: int | None = None,
     capacity = capacity or memory.capacity()
     planned = []
     for stage in the_plan.stages:
-        if stage.kind == "clean":
+        if stage.kind in ("clean", "probe"):  # no GPU; a probe holds less than its arm's eval
             continue
         shape = model_shape(starting_model(stage), stage.config.model.trust_remote_code, download)
         plan = memory.plan_stage(stage.kind, stage.config, shape, gpus, capacity, stage.name)
@@ -622,19 +662,19 @@ def stage_inputs(stage: Stage) -> list[Path]:
             return []
         data, spa_val = spa_data.locate(cfg.sft.data)
         return [data, spa_val or artifacts.val_path(data)]
-    if stage.kind in ("ppo", "eval"):
+    if stage.kind in ("ppo", "eval", "probe"):
         model = Path(cfg.model.name)
         return sorted(model.glob("*.safetensors")) if model.is_dir() else []
     return []
 
 
 def fingerprint(stage: Stage) -> str:
-    data = asdict(stage.config)
-    if stage.config.rollout.backend != "random":
+    sections = _sections(stage.kind, stage.config)
+    if stage.config.rollout.backend != "random" and "rollout" in sections:
         for key in RANDOM_BACKEND_KEYS:
-            del data["rollout"][key]
+            del sections["rollout"][key]
     content = {
-        "config": {section: data[section] for section in SECTIONS[stage.kind]},
+        "config": sections,
         "inputs": {str(p): artifacts.file_sha256(p) for p in stage_inputs(stage) if p.is_file()},
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
@@ -666,7 +706,7 @@ def stage_outputs(stage: Stage) -> list[Path]:
         return [Path(cfg.sft.out)]
     if stage.kind == "ppo":
         return [Path(cfg.ppo.out)]
-    out = Path(cfg.eval.out)
+    out = Path(cfg.eval.out)  # an eval's or a probe's report, and its sidecars
     return [out, *out.parent.glob(f"{out.stem}.*")]
 
 
@@ -718,7 +758,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
 
 def _runner(kind: str) -> Callable[[SPAConfig, bool, Console], Any]:
     """The stage's run, continuing its earlier output when `resume` (every stage can)."""
-    from stages import clean, evaluate, generate, ppo, sft
+    from stages import clean, evaluate, generate, ppo, probe, sft
     from stages.evaluation.tables import print_report
 
     def run_eval(cfg: SPAConfig, resume: bool, console: Console) -> Any:
@@ -734,8 +774,11 @@ def _runner(kind: str) -> Callable[[SPAConfig, bool, Console], Any]:
             return stage.run(cfg)
         return run_stage
 
+    def run_probe(cfg: SPAConfig, resume: bool, console: Console) -> Any:
+        return probe.run(cfg, cfg.eval.out, states=cfg.eval.probe_states)  # minutes: an interrupted one reruns
+
     runners = {"generate": resumed(generate, "generate"), "clean": lambda cfg, _, __: clean.run(cfg),
-               "sft": resumed(sft, "sft"), "ppo": resumed(ppo, "ppo"), "eval": run_eval}
+               "sft": resumed(sft, "sft"), "ppo": resumed(ppo, "ppo"), "eval": run_eval, "probe": run_probe}
     return runners[kind]
 
 
@@ -767,11 +810,19 @@ def _remove(paths: list[Path]) -> None:
 # ---- the table -------------------------------------------------------------------------------------
 
 
+#: The probe's headline (`probe.headline`) as columns of table.md.
+PROBE_COLUMNS = {"changed_exact": "probe exact, state changed", "changed_cells": "probe cells, state changed",
+                 "true_more_likely": "probe true > copy"}
+
+
 def write_table(the_plan: Plan) -> str:
     """table.md: one row per arm, like the paper's Table 2 (percent, x10^-2) for this game, with the
     world-model accuracy, the state perplexity when measured (`eval.state_ppl`: raw grid / with
-    coordinates, the paper's Table 1) and each arm's Pass@1 and Pass@k minus the first arm's, with
-    the 95% interval of `spa eval compare` (the same puzzles resampled for both)."""
+    coordinates, the paper's Table 1), the headline of the probe of the arm's final model when
+    probed (`eval.probe_states`: exact and cell accuracy where the action changes the state, and how
+    often the true next state is more likely than the copy) and each arm's Pass@1 and Pass@k minus
+    the first arm's, with the 95% interval of `spa eval compare` (the same puzzles resampled for both)."""
+    from stages import probe
     from stages.evaluation.reports import compare_rows
     from stages.evaluation.tables import difference
 
@@ -783,13 +834,18 @@ def write_table(the_plan: Plan) -> str:
     first = labels[names[0]] if names else "the first arm"
     header = [the_plan.config.env.name, "Pass@1", f"Pass@{k}", "observation exact", "prediction exact",
               "prediction exact, state changed", "prediction cells", *(["state PPL raw / coords"] if with_ppl else []),
-              f"Pass@1 vs {first} [95%]", f"Pass@{k} vs {first} [95%]"]
+              *(PROBE_COLUMNS.values() if the_plan.probes else []), f"Pass@1 vs {first} [95%]",
+              f"Pass@{k} vs {first} [95%]"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, row in zip(names, rows):
         figures = [_percent(row[key]) for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
                                                   "prediction_of_change_exact", "prediction_cells")]
         if with_ppl:
             figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
+        if the_plan.probes:
+            report = Path(the_plan.probes[name].config.eval.out)
+            headline = probe.headline(probe.load_report(report)) if report.is_file() else {}
+            figures += [_percent(headline.get(key)) for key in PROBE_COLUMNS]
         figures += [difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"])]
         lines.append(f"| {labels[name]} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"

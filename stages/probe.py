@@ -147,13 +147,7 @@ def run(config: SPAConfig, out: str | Path, states: int = DEFAULT_STATES, first_
     `backend` (a test's or a notebook's; its `tokenizer` renders the chat) replaces the HF backend
     this would open, and `likelihood` the model's own teacher-forced log-likelihood."""
     render_mode = config.eval.render_mode
-    game = check_modes(config.env, "world_model", render_mode, "eval")
-    if not game.action_effects:
-        raise UserError(f"{config.env.name} does not name its actions' effects, so it cannot be probed")
-    if states < 1:
-        raise UserError(f"the probe needs at least 1 state, got {states}; pass --states 1 or more")
-    if first_seed < 0:
-        raise UserError(f"the first probe seed must be >= 0, got {first_seed}")
+    game = check(config, states, first_seed)
     if backend is None:
         check_model_name(config.model.name)  # before the model loads, not after its seconds of work
     out = Path(out)
@@ -195,6 +189,18 @@ def run(config: SPAConfig, out: str | Path, states: int = DEFAULT_STATES, first_
     artifacts.write_json(out, report)
     console.say(f"probe: wrote {out} in {duration(report['wall_s'])}")
     return report
+
+
+def check(config: SPAConfig, states: int, first_seed: int = PROBE_FIRST_SEED) -> TextGameEnv:
+    """What `run` refuses, refused before any model loads; returns the game."""
+    game = check_modes(config.env, "world_model", config.eval.render_mode, "eval")
+    if not game.action_effects:
+        raise UserError(f"{config.env.name} does not name its actions' effects, so it cannot be probed")
+    if states < 1:
+        raise UserError(f"the probe needs at least 1 state, got {states}; pass --states 1 or more")
+    if first_seed < 0:
+        raise UserError(f"the first probe seed must be >= 0, got {first_seed}")
+    return game
 
 
 def cases_path(out: str | Path) -> Path:

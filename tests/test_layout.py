@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: Sub-packages of stages/, lowest first: each may import itself and those before it.
 LAYERS = ("common", "agent", "training", "evaluation")
-ENTRIES = ("generate", "clean", "sft", "ppo", "evaluate")
+ENTRIES = ("generate", "clean", "sft", "ppo", "evaluate", "probe")
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -444,3 +444,54 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
 def test_every_gpu_config_plans(path):
     the_plan = pipeline.plan(load_config(path, ["pipeline.dir=/nonexistent/run"]))
     assert {row.config.env.name for row in the_plan.rows.values()} == {the_plan.config.env.name}
+
+
+# ---- the world-model probe of each arm's final model -------------------------------------------------
+
+
+def test_the_dry_run_lists_one_probe_per_distinct_final_model():
+    the_plan = plan_of("base", "state_estimation", "spa_sft", "{name: spa_sft_wm, like: spa_sft, set: "
+                       "{eval.prompt_mode: world_model}}", "spa", sets=["eval.probe_states=3"])
+    probes = {arm: stage.name for arm, stage in the_plan.probes.items()}
+    assert probes == {"base": "probe/base", "state_estimation": "probe/base", "spa_sft": "probe/spa_sft",
+                      "spa_sft_wm": "probe/spa_sft", "spa": "probe/spa"}
+    models = {stage.name: (stage.config.model.name, stage.config.eval.render_mode, stage.config.eval.out)
+              for stage in the_plan.stages if stage.kind == "probe"}
+    assert models == {"probe/base": (BASE, "coords", f"{R}/probe/base.json"),
+                      "probe/spa_sft": (f"{R}/sft/spa/final", "coords", f"{R}/probe/spa_sft.json"),
+                      "probe/spa": (f"{R}/ppo/spa/final", "coords", f"{R}/probe/spa.json")}
+    text = pipeline.describe(the_plan)
+    assert "  probe/spa_sft  [run]  arms: spa_sft, spa_sft_wm" in text and "3 states, every action of each" in text
+    assert [arm["probe"] for arm in the_plan.to_json()["arms"]][:2] == [f"{R}/probe/base.json"] * 2
+    assert not plan_of("base", "spa").probes  # off by default
+    with pytest.raises(UserError, match="countdown does not name its actions' effects"):
+        plan_of("base", sets=["eval.probe_states=1", "env.name=countdown", "eval.render_mode=text"])
+
+
+def test_the_table_gets_each_arms_probe_and_a_finished_probe_is_not_redone(tiny_model_dir, tmp_path):
+    from stages import probe
+
+    run_dir = tmp_path / "run"
+    arms = "pipeline.arms=[base, state_estimation, vanilla_rl]"
+    result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, arms, "eval.probe_states=1"))
+    state = json.loads((run_dir / pipeline.STATE_FILE).read_text())
+    assert list(state) == ["eval/base", "probe/base", "eval/state_estimation", "ppo/vanilla_rl", "eval/vanilla_rl",
+                           "probe/vanilla_rl"]
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in result["table"].splitlines()]
+    assert rows[0][7:10] == ["probe exact, state changed", "probe cells, state changed", "probe true > copy"]
+    for row, name in zip(rows[2:], ("base", "base", "vanilla_rl")):
+        report = probe.load_report(run_dir / "probe" / f"{name}.json")
+        assert report["settings"]["states"] == 1 and report["all"]["cases"] == 4
+        changed = report["changed"]
+        assert row[7:10] == [f"{100 * changed['exact']:.1f}", f"{100 * changed['cells']:.1f}",
+                             f"{100 * changed['likelihood']['true_more_likely']:.1f}"]
+    assert probe.load_report(run_dir / "probe" / "vanilla_rl.json")["settings"]["model"] == str(
+        run_dir / "ppo" / "vanilla_rl" / "final")
+    # rerun: nothing is redone; more states: only the probes; off: the evals stay done, the columns go
+    assert pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, arms, "eval.probe_states=1"))["skipped"] == list(state)
+    more = pipeline.plan(tiny_pipeline(tiny_model_dir, run_dir, arms, "eval.probe_states=2"))
+    assert {name for name, status in pipeline.statuses(more).items() if status != "complete"} == {
+        "probe/base", "probe/vanilla_rl"}
+    off = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, arms))
+    assert off["skipped"] == ["eval/base", "eval/state_estimation", "ppo/vanilla_rl", "eval/vanilla_rl"]
+    assert "probe" not in off["table"]

@@ -424,6 +424,11 @@ class EvalConfig(_Section):
     n: int | None = setting(None, ge=1, help="Samples per puzzle; null takes pass_k.", paper="8")
     pass_k: int = setting(8, ge=1, help="Largest k of Pass@k.", paper="8")
     state_ppl: bool = setting(False, help="Also measure the perplexity of the true states (the paper's Table 1).")
+    probe_states: int = setting(0, ge=0, help=(
+        "spa pipeline: probe each distinct final model of the arms with `spa probe` on this many held-out "
+        "states (0: off), the world-model prompt in eval.render_mode for every arm, and add the probe's headline "
+        "to table.md. Costs, per model, one greedy decode of a state's length and two likelihood forwards per "
+        "(state, action): 4 actions a state in Sokoban and FrozenLake, one per value of each empty cell in Sudoku."))
     resume: bool = setting(False, help=(
         "Continue an interrupted eval of the same settings in `out`; without it an existing report is refused."))
 
