@@ -64,7 +64,8 @@ equal its stages, and take the variant's name where they differ. Layout of `pipe
     table.md                     the comparison, laid out like the paper's Table 2
     curves.png                   the training curves of sft/ and ppo/ (`spa plot`)
     pass_at_k.png                the Pass@k curves of the arms, with 95% bands
-    pipeline_state.json          the stages completed, under which fingerprint, in how many seconds
+    pipeline_state.json          the stages completed, under which fingerprint, in how many seconds,
+                                 with what peak resident memory (`stages.common.rss`)
 
 A stage is skipped when it completed before with the same fingerprint: the config sections it
 reads plus the hashes of its inputs. A stage that started but did not finish is resumed (every stage
@@ -92,7 +93,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.agent.env_manager import check_modes
-from stages.common import artifacts, distributed, spa_data, tracking
+from stages.common import artifacts, distributed, rss, spa_data, tracking
 from stages.common.config import EnvConfig, SPAConfig, from_dict, with_overrides
 from stages.common.console import Console, duration
 from stages.common.errors import UserError
@@ -743,17 +744,39 @@ def run(config: SPAConfig) -> dict[str, Any]:
         state[stage.name] = {"fingerprint": key, "complete": False}
         artifacts.write_json(state_path, state)
         start = time.perf_counter()
+        rss.reset_peak()
         _runner(stage.kind)(copy.deepcopy(stage.config), resume, console)
+        peak = rss.peak()
         _release_memory()
-        # the wall time of the call that completed it (a resumed stage's earlier calls are not in it)
+        # the wall time and peak memory of the call that completed it (a resumed stage's earlier
+        # calls are not in them)
         seconds = round(time.perf_counter() - start, 1)
-        state[stage.name] |= {"complete": True, "seconds": seconds, "resumed": resume}
+        state[stage.name] |= {"complete": True, "seconds": seconds, "resumed": resume, **peak}
         artifacts.write_json(state_path, state)
-        console.result(f"[pipeline] {stage.name}: done in {duration(seconds)}{' (resumed)' if resume else ''}")
+        console.result(f"[pipeline] {stage.name}: done in {duration(seconds)}{' (resumed)' if resume else ''}, "
+                       f"{_peak_text(peak)}")
+    stages = {stage.name: state[stage.name] for stage in the_plan.stages}
+    console.result(summary(stages))
     table = write_table(the_plan)
     console.result(table)
     write_plots(the_plan)
-    return {"dir": str(the_plan.dir), "skipped": skipped, "table": table}
+    return {"dir": str(the_plan.dir), "skipped": skipped, "stages": stages, "table": table}
+
+
+def summary(stages: dict[str, dict[str, Any]]) -> str:
+    """Each stage's wall time and peak RSS as recorded in pipeline_state.json, one line each."""
+    width = max(map(len, stages), default=0)
+    lines = ["[pipeline] stages (wall time, peak RSS):"]
+    for name, record in stages.items():
+        took = duration(record["seconds"]) if "seconds" in record else "-"
+        peak = _peak_text(record) if "peak_rss_gb" in record else "peak RSS not recorded"
+        lines.append(f"  {name:<{width}}  {took:>8}  {peak}")
+    return "\n".join(lines)
+
+
+def _peak_text(peak: dict[str, Any]) -> str:
+    since = "" if peak["peak_rss_since"] == "stage" else " (the process's peak so far)"
+    return f"peak RSS {peak['peak_rss_gb']:.1f} GB{since}"
 
 
 def _runner(kind: str) -> Callable[[SPAConfig, bool, Console], Any]:

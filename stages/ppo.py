@@ -111,7 +111,7 @@ from stages.agent.backends import check_backend, make_backend
 from stages.agent.env_manager import check_modes
 from stages.agent.proxy import RolloutMeter, play
 from stages.agent.states import StateReward
-from stages.common import distributed, tracking
+from stages.common import distributed, rss, tracking
 from stages.common.config import PPOConfig, SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.distributed import Dist
@@ -687,6 +687,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
                    **rollout_stats(figures, kept, samples, ppo.state_reward != "none"), **train_stats, **timer.seconds}
             update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
+            row["peak_rss_gb"] = rss.peak()["peak_rss_gb"]  # this process's, since the stage started
             last_step = step == ppo.steps
             if ppo.val_every and (last_step or step % ppo.val_every == 0):
                 models.actor.eval()
@@ -705,7 +706,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             bar.update(step, f"reward {row['reward']:.3f} success {row['success']:.2f}")
     console.say(f"ppo: {step} steps done; final checkpoint {run_dir.final}, metrics {run_dir.metrics}")
     return {"out": str(run_dir.out), "steps": step, "final": str(run_dir.final),
-            "last": _finite_or_none(last)}
+            "last": _finite_or_none(last), **rss.peak()}
 
 
 @contextlib.contextmanager

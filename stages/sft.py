@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.common import artifacts, distributed, spa_data, tracking
+from stages.common import artifacts, distributed, rss, spa_data, tracking
 from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -287,7 +287,8 @@ class _Trainer:
                 "loss": loss_sum / trained, "val_loss": None, "lr": lr, "grad_norm": grad_norm,
                 "tokens": tokens, "computed_tokens": sum(mb.tokens for plan in plans for mb in plan),
                 "trained_tokens": trained,
-                "tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 3)}
+                "tokens_per_s": round(tokens / seconds, 2), "seconds": round(seconds, 3),
+                "peak_rss_gb": rss.peak()["peak_rss_gb"]}
 
     def _evaluate(self) -> float | None:
         """Mean token loss over the validation rows (split over ranks; every rank runs the same
@@ -347,7 +348,7 @@ class _Trainer:
             "total_steps": self.total_steps, "epochs_done": progress.epoch,
             "train_loss": progress.last.get("loss"), "val_loss": val_losses[-1] if val_losses else None,
             "tokens_per_s": round(progress.tokens / progress.train_seconds, 2) if progress.train_seconds else None,
-            "data": self.stats.as_dict(),
+            "data": self.stats.as_dict(), **rss.peak(),
         }
 
     def _finish(self, progress: Progress, stopped: bool) -> dict:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from stages.common import console as console_module
-from stages.common import runs
+from stages.common import rss, runs
 from stages.common.config import SPAConfig, load_config
 from stages.common.console import Console
 from stages.common.errors import UserError
@@ -86,6 +86,34 @@ def test_quiet_shows_no_progress_and_no_status_but_results(capsys, monkeypatch):
 
 def test_durations():
     assert [console_module.duration(s) for s in (0, 42.4, 185, 7260)] == ["0s", "42s", "3m05s", "2h01m"]
+
+
+# ---- peak RSS ------------------------------------------------------------------------------------
+
+
+def test_the_peak_rss_starts_again_at_each_stage_where_linux_allows(monkeypatch):
+    monkeypatch.setattr(rss, "_reset_since_start", False)
+    assert rss.peak()["peak_rss_since"] == "process"
+    block = b"x" * 300_000_000  # 0.3 GB, every page written: resident, and unmapped when freed
+    with_block = rss.peak()["peak_rss_gb"]
+    del block
+    if not rss.reset_peak():
+        pytest.skip("this platform cannot reset the peak (no writable /proc/self/clear_refs)")
+    now = rss.current_gb()
+    after = rss.peak()
+    assert after["peak_rss_since"] == "stage"
+    assert now <= after["peak_rss_gb"] <= with_block - 0.25
+
+
+def test_without_proc_the_peak_is_the_processs(monkeypatch, tmp_path):
+    import resource
+
+    monkeypatch.setattr(rss, "_reset_since_start", False)
+    monkeypatch.setattr(rss, "CLEAR_REFS", tmp_path / "absent" / "clear_refs")
+    monkeypatch.setattr(rss, "STATUS", tmp_path / "absent" / "status")
+    assert rss.reset_peak() is False
+    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    assert rss.peak() == {"peak_rss_gb": round(lifetime / 1e9, 3), "peak_rss_since": "process"}
 
 
 # ---- the same run? -------------------------------------------------------------------------------

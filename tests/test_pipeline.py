@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from spa_cli.main import app
 from stages import pipeline
+from stages.common import rss
 from stages.common.config import PAPER_ARMS, load_config
 from stages.common.errors import UserError
 from stages.evaluation import metrics
@@ -343,6 +344,10 @@ def test_every_stage_writes_its_artifacts(finished, tiny_model_dir):
     state = json.loads((run_dir / pipeline.STATE_FILE).read_text())
     assert list(state) == STAGES and all(entry["complete"] for entry in state.values())
     assert all(entry["seconds"] > 0 and entry["resumed"] is False for entry in state.values())
+    # each stage's peak RSS: this process's, the high-water mark reset as the stage starts (Linux)
+    since = "stage" if rss.reset_peak() else "process"
+    assert all(entry["peak_rss_gb"] > 0 and entry["peak_rss_since"] == since for entry in state.values())
+    assert result["stages"] == state
 
 
 def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
@@ -394,6 +399,7 @@ def test_a_second_run_skips_every_completed_stage(finished, tiny_model_dir, caps
     assert result["skipped"] == STAGES
     shown = capsys.readouterr().out  # shown even with quiet=true, which only hides progress bars
     assert "[pipeline] generate/selfplay: complete, skipped" in shown and result["table"].splitlines()[2] in shown
+    assert pipeline.summary(json.loads((run_dir / pipeline.STATE_FILE).read_text())) in shown
     assert (run_dir / "sft" / "spa" / "final" / "model.safetensors").stat().st_mtime_ns == before
     statuses = pipeline.statuses(pipeline.plan(tiny_pipeline(tiny_model_dir, run_dir)))
     assert set(statuses.values()) == {"complete"}
@@ -437,6 +443,62 @@ def test_a_crash_continues_where_it_stopped(tiny_model_dir, tmp_path, monkeypatc
     result = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, "pipeline.arms=[spa]"))
     assert result["skipped"] == ["generate/selfplay", "clean/selfplay", "sft/spa"]
     assert (run_dir / "eval" / "spa.json").is_file()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2], ids=["plain-torch", "deepspeed-zero2"])
+def test_no_model_or_optimizer_outlives_its_stage(tiny_model_dir, tmp_path, monkeypatch, zero_stage):
+    """The stages run in one process: whatever a stage loaded is gone before the next one loads."""
+    import gc
+    import weakref
+
+    import torch
+    from transformers import PreTrainedModel
+
+    created: list[weakref.ref] = []
+
+    def track(cls, method, kind=object):
+        original = getattr(cls, method)
+
+        def tracked(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if isinstance(self, kind):
+                created.append(weakref.ref(self))
+
+        monkeypatch.setattr(cls, method, tracked)
+
+    track(PreTrainedModel, "__init__")  # every model loaded
+    track(torch.nn.Module, "__setstate__", PreTrainedModel)  # every model copied (copy.deepcopy)
+    track(torch.optim.Optimizer, "__init__")
+    left: list[tuple[str, list[str]]] = []
+    runner, release = pipeline._runner, pipeline._release_memory
+
+    def watched(kind):
+        def run(cfg, resume, console):
+            result = runner(kind)(cfg, resume, console)
+            release()
+            gc.collect()
+            left.append((kind, sorted(type(ref()).__name__ for ref in created if ref() is not None)))
+            return result
+        return run
+
+    monkeypatch.setattr(pipeline, "_runner", watched)
+    pipeline.run(tiny_pipeline(tiny_model_dir, tmp_path / "run", "pipeline.arms=[base, spa]",
+                               f"sft.zero_stage={zero_stage}", f"ppo.zero_stage={zero_stage}"))
+    assert len(created) >= 7  # 2 evals, sft (model, optimizer), ppo (actor, critic, 2 optimizers)
+    assert left == [(kind, []) for kind in ("eval", "generate", "clean", "sft", "ppo", "eval")]
+
+
+def test_the_summary_shows_each_stages_time_and_peak_rss():
+    assert pipeline.summary({
+        "eval/base": {"complete": True, "seconds": 36.2, "peak_rss_gb": 1.234, "peak_rss_since": "stage"},
+        "sft/spa": {"complete": True, "seconds": 805.0, "peak_rss_gb": 4.56, "peak_rss_since": "process"},
+        "ppo/spa": {"complete": False},
+    }).splitlines() == [
+        "[pipeline] stages (wall time, peak RSS):",
+        "  eval/base       36s  peak RSS 1.2 GB",
+        "  sft/spa      13m25s  peak RSS 4.6 GB (the process's peak so far)",
+        "  ppo/spa           -  peak RSS not recorded",
+    ]
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs" / "gpu").glob("*.yaml")),

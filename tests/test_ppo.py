@@ -37,7 +37,7 @@ def read_metrics(out):
 
 TRAIN_FIELDS = ("reward", "success", "entropy", "clip_frac", "ppo_kl", "value_loss", "pg_loss",
                 "response_length", "logp_diff", "seconds_rollout", "seconds_old_logprobs", "seconds_values",
-                "seconds_update", "update_tokens_per_s", "actor_grad_norm", "critic_grad_norm")
+                "seconds_update", "update_tokens_per_s", "actor_grad_norm", "critic_grad_norm", "peak_rss_gb")
 
 
 def two_turn_episode():
@@ -200,6 +200,8 @@ def test_tiny_run_writes_metrics_checkpoints_and_validation(two_steps, tokenizer
         assert row["seed_counter"] == 2 * row["step"]  # 2 fresh train seeds per step
         assert row["logp_diff"] < 1e-3  # the trainer recomputes the sampler's log-probs
         assert 0 <= row["clip_frac"] <= 1
+    # the process's peak so far, at each step and at the end: it never goes down
+    assert 0 < rows[1]["peak_rss_gb"] <= rows[2]["peak_rss_gb"] <= summary["peak_rss_gb"]
     assert rows[1]["value_loss"] > 0
     # Checkpoints: step-1 and final/ are HF directories; trainer_state/ is the newest resumable state.
     assert (out / "step-1" / "model.safetensors").is_file() and not (out / "step-1" / "trainer_state").exists()

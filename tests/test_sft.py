@@ -326,6 +326,8 @@ def test_tiny_run_learns_and_its_checkpoint_reloads_and_generates(data, tiny_mod
     assert result["complete"] and result["val_loss"] is not None and result["data"]["kept"] == 8
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "epoch", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens"} <= set(rows[0])
+    peaks = [r["peak_rss_gb"] for r in rows]  # the process's peak so far: it never goes down
+    assert 0 < peaks[0] and peaks == sorted(peaks) and peaks[-1] <= result["peak_rss_gb"]
     assert [r["val_loss"] is not None for r in rows] == [False, True] * 3
     assert all((out / f"epoch-{k}" / "model.safetensors").is_file() for k in (1, 2, 3))
     assert json.loads((out / "manifest.json").read_text())["stage"] == "sft"
