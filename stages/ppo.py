@@ -22,7 +22,9 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
    the batch; or the bi-level (turn-level) GAE; or GRPO's group-normalised score, without a critic.
 5. **Update**: ``ppo.ppo_epochs`` passes over mini-batches of ``ppo.mini_batch`` episodes, in
    order, one optimizer step per mini-batch for actor and critic (`stages.training.trainable`:
-   DeepSpeed ZeRO, or plain torch with ``zero_stage: 0``; AdamW, constant lr, gradient clipping). Micro-batches
+   DeepSpeed ZeRO, or plain torch with ``zero_stage: 0``; AdamW, constant lr, gradient clipping):
+   the actor's micro-batches and step, then the critic's, so that only one network holds
+   gradients at a time. Micro-batches
    hold at most ``ppo.micro_batch_tokens`` padded tokens and accumulate gradients; every loss is
    the ``ppo.loss_agg`` aggregate of the whole mini-batch (`stages.training.loss_agg`: a token
    mean by default), so the micro-batching never changes the objective.
@@ -343,18 +345,19 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
             normalizer = loss_agg.batch_normalizer(ppo.loss_agg, tokens, sum(len(part) for part in parts))
             micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
             batches = [collate(rows, dist.device, pad_id) for rows, _ in micros]
-            for index, (rows, weight) in enumerate(micros):
-                batch = batches[index]
-                micro = [sample for row in rows for sample in row]  # collate's order
-                last = index == len(micros) - 1
-                weights = loss_agg.token_weights(loss_agg.sequence_index(step_count(rows), dist.device),
-                                                 ppo.loss_agg, normalizer)
-                terms = _actor_backward(models, batch, micro, weight, weights, last, config, step)
-                if models.critic_engine is not None:
-                    terms |= _critic_backward(models, batch, micro, weight, weights, last, config, step)
-                for key, value in terms.items():  # micro means, weighted by their tokens
-                    totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
+            micro_samples = [[sample for row in rows for sample in row] for rows, _ in micros]  # collate's order
+            micro_weights = [loss_agg.token_weights(loss_agg.sequence_index(step_count(rows), dist.device),
+                                                    ppo.loss_agg, normalizer) for rows, _ in micros]
+            # one network at a time, stepped before the next one's backward: its gradients are freed
+            # by then, so the two networks' gradients never exist together (the losses are independent)
             for name, engine in engines.items():
+                backward = _actor_backward if name == "actor" else _critic_backward
+                for index, (_, weight) in enumerate(micros):
+                    micro = micro_samples[index]
+                    terms = backward(models, batches[index], micro, weight, micro_weights[index],
+                                     index == len(micros) - 1, config, step)
+                    for key, value in terms.items():  # micro means, weighted by their tokens
+                        totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
                 norms[name].append(_step(engine, name, step))
     keys = sorted(totals)
     summed = dict(zip(keys, distributed.all_reduce_sum([totals[k] for k in keys], dist), strict=True))

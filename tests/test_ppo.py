@@ -398,6 +398,31 @@ def test_a_finished_run_leaves_no_model_behind(tiny_model_dir, tmp_path):
     assert live_modules() == before
 
 
+def test_the_actor_steps_before_the_critics_backward_so_their_gradients_never_coexist(
+        tiny_model_dir, tmp_path, monkeypatch):
+    seen = []
+    real_critic_backward, real_actor_backward = ppo._critic_backward, ppo._actor_backward
+
+    def holding(module):
+        return sum(p.grad is not None for p in module.parameters())
+
+    def critic_backward(models, *args):
+        seen.append(("critic", holding(models.actor)))
+        return real_critic_backward(models, *args)
+
+    def actor_backward(models, *args):
+        seen.append(("actor", holding(models.critic_engine.module)))
+        return real_actor_backward(models, *args)
+
+    monkeypatch.setattr(ppo, "_critic_backward", critic_backward)
+    monkeypatch.setattr(ppo, "_actor_backward", actor_backward)
+    # one mini-batch of 4 episodes of about 40 tokens, in micro-batches of at most 64: several a network
+    ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "ppo.zero_stage=0",
+                        "ppo.mini_batch=4", "ppo.micro_batch_tokens=64", "ppo.share_prefix=false"))
+    micros = len(seen) // 2
+    assert micros >= 2 and seen == [("actor", 0)] * micros + [("critic", 0)] * micros
+
+
 @pytest.mark.parametrize("advantage, zero_stage", [("grpo", 0), ("bilevel_gae", 2)])
 def test_other_estimators_and_loss_mask_all_run(tiny_model_dir, tmp_path, advantage, zero_stage):
     """The critic-free and turn-level estimators (the latter with VAGEN's state reward and the

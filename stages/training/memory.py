@@ -52,7 +52,8 @@ Every process also holds its CUDA context (`CUDA_CONTEXT`, typical, not counted 
 A stage needs the most of its phases: generate and eval, starting and running the rollout engine
 (eval's state perplexity adds a bf16 copy of the model beside vLLM); sft, the backward and the
 optimizer step; ppo, vLLM's start, the rollout, the scoring pass (old log-probs and values, vLLM
-still awake), the backward and the optimizer step.
+still awake), the backward and the optimizer step. PPO's actor steps before the critic's backward,
+so the two networks' gradients are alive together only where they are lasting (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -287,8 +288,10 @@ def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
     models = ["actor"]
     if with_critic and not shared:
         critic = trained_model(shape.params - shape.head_params, value_head)
-        # one engine steps at a time: the larger fp32 step copy is the one that counts
-        states = dataclasses.replace(states + critic, step=max(states.step, critic.step))
+        # one engine steps at a time: the larger fp32 step copy is the one that counts; and the
+        # actor steps (freeing its gradients) before the critic's backward, unless they are lasting
+        gradients = states.gradients + critic.gradients if states.lasting else max(states.gradients, critic.gradients)
+        states = dataclasses.replace(states + critic, step=max(states.step, critic.step), gradients=gradients)
         models.append("critic")
     master = 4 if zero is None else w
     copies = 0
