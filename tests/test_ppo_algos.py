@@ -203,13 +203,38 @@ def test_value_loss_both_branches(new, old, ret, expected, clipped):
     assert stats["vf_clip_frac"].item() == float(clipped)
 
 
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    return algos.logprobs_and_entropy(logits, torch.zeros(logits.shape[:-1], dtype=torch.long))[1]
+
+
 def test_entropy_of_known_distributions():
     uniform = torch.zeros(2, 3, 8)
-    torch.testing.assert_close(algos.entropy_from_logits(uniform), torch.full((2, 3), math.log(8)))
+    torch.testing.assert_close(entropy(uniform), torch.full((2, 3), math.log(8)))
     probs = torch.tensor([0.5, 0.25, 0.25])
-    entropy = algos.entropy_from_logits(torch.log(probs) + 3.0)  # shift invariance
-    assert entropy.item() == pytest.approx(-(probs * probs.log()).sum().item())
-    assert algos.entropy_from_logits(torch.tensor([0.0, -1e4])).item() == pytest.approx(0.0, abs=1e-6)
+    shifted = entropy(torch.log(probs) + 3.0)  # shift invariance
+    assert shifted.item() == pytest.approx(-(probs * probs.log()).sum().item())
+    assert entropy(torch.tensor([0.0, -1e4])).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_logprobs_and_entropy_have_the_gradients_of_their_formulas():
+    """Against autograd through the textbook formulas, in float64: log_softmax gathered at the
+    tokens, and -sum(softmax * log_softmax), under any mix of the two in the loss."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 11, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    tokens = torch.randint(0, 11, (2, 5), generator=g)
+    a, b = torch.randn(2, 5, generator=g, dtype=torch.float64), torch.randn(2, 5, generator=g, dtype=torch.float64)
+    logprobs, entropies = algos.logprobs_and_entropy(logits, tokens)
+    (ours,) = torch.autograd.grad((a * logprobs + b * entropies).sum(), logits)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    expected_logprobs = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    expected_entropies = -(log_probs.exp() * log_probs).sum(-1)
+    (expected,) = torch.autograd.grad((a * expected_logprobs + b * expected_entropies).sum(), logits)
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropies, expected_entropies, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12)
+    (only_logprobs,) = torch.autograd.grad(algos.logprobs_and_entropy(logits, tokens)[0].sum(), logits)
+    (expected,) = torch.autograd.grad(torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).sum(), logits)
+    torch.testing.assert_close(only_logprobs, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_logprobs_from_logits():

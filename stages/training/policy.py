@@ -52,9 +52,12 @@ class StepPolicy(nn.Module):
             logits = out.logits[rows, cols]
             hidden = out.hidden_states[-1][rows, cols] if with_values else None
         logits = logits.float() / self.temperature
-        entropy = algos.entropy_from_logits(logits) if with_entropy else None
+        if with_entropy:
+            logprobs, entropy = algos.logprobs_and_entropy(logits, targets)
+        else:
+            logprobs, entropy = algos.logprobs_from_logits(logits, targets), None
         values = self.value_head(hidden).squeeze(-1).float() if with_values else None
-        return algos.logprobs_from_logits(logits, targets), entropy, values
+        return logprobs, entropy, values
 
     def optimizer_groups(self, lr: float) -> list[dict]:
         """The trainable weights by learning rate: the value head's own, the rest at `lr`."""
