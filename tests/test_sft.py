@@ -294,6 +294,14 @@ def test_deepspeed_configs_fill_auto_values():
     assert cpu["zero_optimization"]["stage"] == 2 and "offload_optimizer" not in cpu["zero_optimization"]
     assert cpu["gradient_clipping"] == 1.0 and cpu["bf16"]["enabled"] is False
     assert "auto" not in json.dumps(cpu)
+    # on the CPU there is no communication to overlap, and buckets of 2e7 elements (80 MB in fp32),
+    # not the 5e8 (2 GB) that pay between GPUs, whatever the number of processes
+    for world in (1, 2):
+        zero = deepspeed_config(2, offload=False, grad_clip=1.0, device="cpu", mixed=None, world=world)[
+            "zero_optimization"]
+        assert zero["reduce_bucket_size"] == 2e7 == zero["allgather_bucket_size"] and zero["overlap_comm"] is False
+    assert deepspeed_config(3, offload=False, grad_clip=1.0, device="cpu", mixed=None)["zero_optimization"][
+        "stage3_prefetch_bucket_size"] == 1e7
     gpu = deepspeed_config(3, offload=True, grad_clip=0.5, device="cuda:0", mixed="bf16")
     zero = gpu["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu" and gpu["bf16"]["enabled"]
