@@ -690,7 +690,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
                    **rollout_stats(figures, kept, samples, ppo.state_reward != "none"), **train_stats, **timer.seconds}
             update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
             row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
-            row["peak_rss_gb"] = rss.peak()["peak_rss_gb"]  # this process's, since the stage started
+            row["peak_rss_gb"] = rss.peak()["peak_rss_gb"]
             last_step = step == ppo.steps
             if ppo.val_every and (last_step or step % ppo.val_every == 0):
                 models.actor.eval()

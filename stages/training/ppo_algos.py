@@ -220,7 +220,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, token_ids: torch.Tensor):
         log_probs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        entropy = log_probs.exp().mul_(log_probs).sum(-1).neg_()  # in place: one [..., vocab] temporary
         ctx.save_for_backward(log_probs, token_ids, entropy)
         ctx.logits_dtype = logits.dtype
         return log_probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1), entropy
