@@ -811,15 +811,15 @@ def _release_memory() -> None:
     an in-process engine freezes the garbage collector's view of its objects until then), and the
     training engines it trained with (`close`). glibc keeps the freed heap otherwise, and the next
     stage would start beside the last one's resident pages (docs/results.md)."""
-    import ctypes
     import gc
+
+    from stages.training.engine import return_freed_memory
 
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    with contextlib.suppress(OSError, AttributeError):  # glibc only
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return_freed_memory()
 
 
 def _remove(paths: list[Path]) -> None:

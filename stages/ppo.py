@@ -249,7 +249,9 @@ def build_models(config: SPAConfig) -> Models:
 
     m, ppo = config.model, config.ppo
     resolve_model(m.name)  # a bad --model fails here, before DeepSpeed starts
-    dist = trainable.start_processes(m, ppo.zero_stage, ppo.gradient_checkpointing, to_dict(config))
+    # not the low-memory allocator mode of gradient checkpointing (a mapping of its own for every
+    # large tensor): it slows every decoding step of the rollouts; `update` trims the heap instead
+    dist = trainable.start_processes(m, ppo.zero_stage, config=to_dict(config))
     actor, tokenizer, mixed = trainable.load_trainable(m, dist, zero_stage=ppo.zero_stage, seed=ppo.seed,
                                                        gradient_checkpointing=ppo.gradient_checkpointing,
                                                        lora_rank=ppo.lora_rank, lora_alpha=ppo.lora_alpha,
@@ -359,6 +361,8 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
                     for key, value in terms.items():  # micro means, weighted by their tokens
                         totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
                 norms[name].append(_step(engine, name, step))
+                if dist.device == "cpu":  # the pass's freed activations, before the other network's
+                    eng.return_freed_memory()
     keys = sorted(totals)
     summed = dict(zip(keys, distributed.all_reduce_sum([totals[k] for k in keys], dist), strict=True))
     seen = ppo.ppo_epochs * sum(s.steps for s in samples)

@@ -259,8 +259,9 @@ class TrainingConfig(_Section):
         "at some speed: what lets a 3B model's PPO actor and critic fit one 80 GB GPU beside vLLM (`spa plan` "
         "shows a stage's memory with and without it). CUDA only; a CPU run ignores it."))
     gradient_checkpointing: bool = setting(False, help=(
-        "Recompute activations in the backward pass instead of keeping them, and on the CPU hand freed "
-        "memory back to the OS at once: less memory for long rows, for a second forward pass."),
+        "Recompute activations in the backward pass instead of keeping them: less memory for long rows, "
+        "for a second forward pass. On the CPU, SFT also hands freed memory back to the OS at once, at "
+        "some speed (PPO trims its heap after each optimizer step whatever this says)."),
         paper="SFT false, PPO true")
     lora_rank: int = setting(0, ge=0, help=(
         "LoRA adapters of this rank on every linear layer (of actor and critic in PPO); 0 is a full "

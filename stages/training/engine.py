@@ -180,6 +180,22 @@ def release_freed_memory_to_os() -> None:
         pass
 
 
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS now (glibc's `malloc_trim`). Memory a pass freed
+    otherwise stays resident, and whatever is allocated next (another network's pass, the next
+    stage's model) comes on top of it instead of into it. A no-op where glibc is absent."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
+
+
 def _quiet_deepspeed() -> None:
     import logging
 
