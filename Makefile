@@ -81,9 +81,9 @@ test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
 # The whole recipe on the bundled model ($(DEMO_CONFIG)): RandSFT data, clean, SFT, PPO, and the
-# eval of the arms base, spa_sft (also with the world-model prompt) and spa; the table is
-# runs/demo/table.md (runs/demo_sokoban/ for GAME=sokoban). It trains with plain torch in one
-# process, so it needs neither DeepSpeed's CPU op nor the test tools. Reruns skip what is done.
+# eval of the arms base, spa_sft and spa; the table is runs/demo/table.md (runs/demo_sokoban/ for
+# GAME=sokoban). It trains with plain torch in one process, so it needs neither DeepSpeed's CPU op
+# nor the test tools. Reruns skip what is done.
 demo: $(DEMO_STAMP)
 	@test -f $(DEMO_CONFIG) || { echo "error: no $(DEMO_CONFIG) for GAME=$(GAME); run: make demo (FrozenLake) or make demo GAME=sokoban"; exit 2; }
 	$(BIN)/spa pipeline --config $(DEMO_CONFIG) $(DEMO_SET)
