@@ -344,7 +344,8 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
         for mini in shares:  # in order: SPA's shuffle=False
             parts = [[samples[i] for i in part] for part in mini]
             tokens = sum(s.steps for part in parts for s in part)  # every loss: an aggregate of the WHOLE mini-batch
-            normalizer = loss_agg.batch_normalizer(ppo.loss_agg, tokens, sum(len(part) for part in parts))
+            normalizer = loss_agg.batch_normalizer(ppo.loss_agg, tokens, sum(len(part) for part in parts),
+                                                   loss_agg.token_budget(config, "ppo"))
             micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
             batches = [collate(rows, dist.device, pad_id) for rows, _ in micros]
             micro_samples = [[sample for row in rows for sample in row] for rows, _ in micros]  # collate's order

@@ -9,11 +9,14 @@ network allows (`stages.common.spa_data`); each of its rows trains its response.
 
 Each epoch shuffles the rows with (seed, epoch) and cuts them into global batches of
 `global_batch` rows. One optimizer step runs this rank's micro-batches
-(`stages.training.sft_data`: the rows as one prefix tree, their common tokens computed once), adds
-up the token cross-entropy over the trained tokens (assistant turns: the whole `<think>` with the
-ground-truth `<observation>` and `<prediction>`, the `<answer>`, the end-of-turn token), divides
-by the trained-token count of the whole global batch, and takes one clipped AdamW step on a
-cosine schedule with linear warmup. At each epoch's end: validation loss, an HF checkpoint
+(`stages.training.sft_data`: the rows as one prefix tree, their common tokens computed once),
+takes the token cross-entropy over the trained tokens (assistant turns: the whole `<think>` with
+the ground-truth `<observation>` and `<prediction>`, the `<answer>`, the end-of-turn token),
+aggregates it over the whole global batch as `sft.loss_agg` says (`stages.training.loss_agg`;
+token-mean: divided by the global batch's trained-token count; seq-mean-token-mean: each row's
+token mean, averaged over the rows), and takes one clipped AdamW step on a cosine schedule with
+linear warmup. The logged `loss` is the token mean of the cross-entropy whatever the aggregation,
+as `val_loss` is. At each epoch's end: validation loss, an HF checkpoint
 `epoch-{k}/`, then the resumable `trainer_state/`. The defaults are the paper's (lr 1e-4, betas
 (0.9, 0.95), wd 0.01, 10% warmup, clip 1.0, 16 rows a step, 5 epochs, 2048 tokens with left
 truncation, seed 1).
@@ -29,7 +32,8 @@ Simplifications, nanochat style:
 - the data order is a pure function of (seed, epoch) and nothing else draws random numbers (the
   bundled models have no dropout), so resuming needs the weights, optimizer, schedule and a step
   counter only; rank 0's torch RNG state is saved and restored as well;
-- the last global batch of an epoch may hold fewer rows; it is normalised by its own token count;
+- the last global batch of an epoch may hold fewer rows; it is normalised by its own token (or
+  row) count;
 - after the last epoch `trainer_state/` keeps only its `progress.json` (the weights are in
   `final/`), which is how `--resume` on a finished run knows to stop at once.
 """
@@ -47,7 +51,7 @@ from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
 from stages.training import engine as eng
-from stages.training import memory, trainable
+from stages.training import loss_agg, memory, trainable
 from stages.training.checkpoints import RunDir, copy_checkpoint, save_hf_checkpoint
 from stages.training.sft_data import (
     DataStats,
@@ -186,6 +190,7 @@ class _Trainer:
         self.run_dir, self.inputs = run_dir, inputs
         self.sources = [ex.source for ex in train] if self.cfg.merge_turn_rows else None
         self.steps_per_epoch = math.ceil(len(train) / self.cfg.global_batch)
+        self.budget = loss_agg.token_budget(config, "sft")
         self.total_steps = self.cfg.epochs * self.steps_per_epoch
 
     def fit(self, resuming: bool) -> dict:
@@ -268,14 +273,17 @@ class _Trainer:
         plans = step_plan(rows, self.dist.world, self.cfg.micro_batch_tokens, self.pack, self.share)
         micro = rank_micro_batches(rows, self.dist.rank, self.dist.world, self.cfg.micro_batch_tokens, self.pack,
                                    self.share)
-        trained = sum(row.trained for row in rows)
+        trained = sum(row.trained for row in rows)  # of the whole global batch: every rank's rows
         tokens = sum(len(row) for row in rows)  # the rows' tokens, whether or not computed once
+        normalizer = loss_agg.batch_normalizer(self.cfg.loss_agg, trained, len(rows), self.budget)
         lr, loss_sum = self.engine.lr, 0.0
         self.engine.module.train()
         for i, mb in enumerate(micro):
-            ce = token_ce_sum(self.engine, collate([rows[u] for u in mb.rows], self.dist.device, self.share))
-            self.engine.backward(ce * (mb.weight / trained), last=i == len(micro) - 1)
-            loss_sum += ce.item() * mb.weight
+            batch = collate([rows[u] for u in mb.rows], self.dist.device, self.share)
+            ce = token_ce(self.engine, batch)
+            weights = loss_agg.token_weights(batch["rows"], self.cfg.loss_agg, normalizer)
+            self.engine.backward((ce * weights).sum() * mb.weight, last=i == len(micro) - 1)
+            loss_sum += ce.sum().item() * mb.weight
         grad_norm = self.engine.step()
         (loss_sum,) = distributed.all_reduce_sum([loss_sum], self.dist)
         seconds = time.perf_counter() - started

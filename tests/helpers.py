@@ -134,3 +134,16 @@ def live_modules() -> int:
 
     gc.collect()
     return sum(issubclass(type(obj), torch.nn.Module) for obj in gc.get_objects())  # type(): no proxies
+
+
+def aggregate_by_definition(mode: str, losses: list, budget: int):
+    """verl's aggregation `mode` of a batch whose sequences have the token `losses` (1-D tensors),
+    as its definition reads (stages/training/loss_agg.py), all at once; `budget` is
+    seq-mean-token-sum-norm's constant."""
+    import torch
+
+    if mode == "token-mean":
+        return torch.cat(losses).mean()
+    per_sequence = {"seq-mean-token-mean": lambda loss: loss.mean(), "seq-mean-token-sum": lambda loss: loss.sum(),
+                    "seq-mean-token-sum-norm": lambda loss: loss.sum() / budget}[mode]
+    return torch.stack([per_sequence(loss) for loss in losses]).mean()

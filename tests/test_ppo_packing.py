@@ -197,6 +197,10 @@ def test_packed_batches_take_the_tree_attention(networks, tokenizer, monkeypatch
     assert len(calls) == 2 and all(layout is batch["layout"] for layout in calls)  # one per layer
 
 
+#: seq-mean-token-sum-norm's constant here: any number the whole mini-batch shares.
+TOKEN_BUDGET = 64
+
+
 @pytest.mark.parametrize("mode", loss_agg.LOSS_AGGS)
 def test_packed_gradients_equal_unpacked(networks, tokenizer, mode):
     """The PPO policy loss plus the value loss over one mini-batch, aggregated as ``ppo.loss_agg``
@@ -211,7 +215,7 @@ def test_packed_gradients_equal_unpacked(networks, tokenizer, mode):
             s.old_logprobs = -torch.rand(s.steps, generator=g) * 3
             s.advantages = torch.randn(s.steps, generator=g)
             s.values, s.returns = torch.randn(s.steps, generator=g), torch.randn(s.steps, generator=g)
-        normalizer = loss_agg.batch_normalizer(mode, sum(s.steps for s in samples), len(samples))
+        normalizer = loss_agg.batch_normalizer(mode, sum(s.steps for s in samples), len(samples), TOKEN_BUDGET)
         policy.zero_grad()
         critic.zero_grad()
         total, micros = 0.0, micro_batches(samples, budget, share)

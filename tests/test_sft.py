@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import live_modules
+from helpers import aggregate_by_definition, live_modules
 
 from stages import sft
 from stages.common.config import load_config
 from stages.common.errors import UserError
 from stages.common.models import load_tokenizer
-from stages.training.engine import cosine_with_warmup, deepspeed_config
+from stages.training import loss_agg
+from stages.training.engine import TorchEngine, cosine_with_warmup, deepspeed_config
 from stages.training.sft_data import (
     Example,
     collate,
@@ -665,6 +666,59 @@ def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_m
     for name, expected in grads_alone.items():
         floor = 1e-4 * expected.abs().max().item()
         torch.testing.assert_close(grads_together[name], expected, rtol=1e-4, atol=floor, msg=name)
+
+
+def test_a_step_has_the_gradient_of_its_loss_agg_however_rows_are_grouped(tokenizer, tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    """One `spa sft` step over rows of 1 to 3 turns and a trajectory's turn rows, in shared
+    micro-batches of several rows or one row each: under every `sft.loss_agg` each parameter's
+    gradient at the step is that of the aggregate computed by its definition from each row alone
+    (fp32; the tolerance of the test above). The modes' gradients differ by more than it, so a
+    wrong weighting fails."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.common import models
+    from stages.sft import token_ce
+
+    rng = random.Random(6)
+    rows = turn_rows(rng, "s0", 3) + [{"id": f"t{n}", "messages": conversation(rng, n)} for n in (1, 2, 3)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
+    assert len({e.trained for e in examples}) > 1  # unequal rows: the modes weigh them apart
+    models._use_spa_sdpa()  # as load_model does
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    budget = make_config(data, tiny_model_dir, tmp_path).sft.max_length
+
+    def by_definition(mode):
+        model.zero_grad()
+        aggregate_by_definition(mode, [token_ce(model, collate([e])) for e in examples], budget).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def assert_close(actual, expected, msg):
+        for name, grad in expected.items():
+            torch.testing.assert_close(actual[name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item(),
+                                       msg=f"{msg}: {name}")
+
+    expected = {mode: by_definition(mode) for mode in loss_agg.LOSS_AGGS}
+    for mode, other in itertools.permutations(loss_agg.LOSS_AGGS, 2):
+        with pytest.raises(AssertionError):
+            assert_close(expected[other], expected[mode], f"{other} for {mode}")
+    captured = []
+    real_step = TorchEngine.step
+
+    def step(engine):
+        captured.append({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+        return real_step(engine)
+
+    monkeypatch.setattr(TorchEngine, "step", step)
+    layouts = {"shared": {"micro_batch_tokens": 400}, "each": {"share_prefix": False}}
+    assert len(rank_micro_batches(examples, 0, 1, 400, share=True)) > 1
+    for mode in loss_agg.LOSS_AGGS:
+        for name, layout in layouts.items():
+            sft.run(make_config(data, tiny_model_dir, tmp_path / f"{mode}-{name}", epochs=1,
+                                global_batch=len(rows), loss_agg=mode, **layout))
+            assert_close(captured.pop(), expected[mode], f"{mode}, {name}")
 
 
 def test_turn_rows_train_in_fewer_computed_tokens(tmp_path, tiny_model_dir):

@@ -79,7 +79,7 @@ def _check_number(key: str, value: Any, bounds: dict[str, float]) -> None:
 PromptMode = Literal["world_model", "base"]
 RenderMode = Literal["coords", "text"]
 StateText = Literal["trained", "masked"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]  # verl's loss_agg_mode names
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]  # verl's names
 
 _PROMPT_MODE = ('"world_model" asks for <observation> and <prediction> inside <think>, "base" for '
                 "<think> then <answer>")
@@ -274,6 +274,15 @@ class TrainingConfig(_Section):
     micro_batch_tokens: int = setting(4096, ge=1, help=(
         "Tokens of one forward and backward pass (rows or episodes are grouped up to it; gradients "
         "accumulate over the passes of a step): bounds activation memory without changing the loss."))
+    loss_agg: LossAgg = setting("token-mean", help=(
+        "How a step's token losses make its loss (verl's loss_agg_mode, over the whole batch whatever the "
+        "micro-batching and ranks; a sequence is an SFT row or a PPO episode): \"token-mean\" (every token "
+        'weighs the same), "seq-mean-token-mean" (every sequence weighs the same: the mean of its token '
+        'mean), "seq-mean-token-sum" (the mean over sequences of their token sums), "seq-mean-token-sum-norm" '
+        "(Dr. GRPO: that mean divided by the token budget, sft.max_length in SFT, rollout.max_turns x "
+        "rollout.max_new_tokens in PPO). In PPO the actor's and the critic's losses, the entropy and KL terms "
+        "alike (stages/training/loss_agg.py)."),
+        paper="seq-mean-token-mean (SPA's runs: verl's token mean per micro-batch of one row or episode)")
     seed: int = setting(1, ge=0, help=(
         "Seed of torch when the model loads (LoRA adapters and a value head start from it) and, in SFT, of "
         "the row order."), paper="1")
@@ -377,12 +386,6 @@ class PPOConfig(TrainingConfig):
         '"assistant": PPO steps on the model\'s own tokens (the paper); "all": on every token after the '
         "system prompt, environment text included (SPA's released config)."),
         paper="assistant (§2.3); all in SPA's released config")
-    loss_agg: LossAgg = setting("token-mean", help=(
-        "How a step's token losses make its loss (verl's loss_agg_mode, over the whole batch whatever the "
-        'micro-batching and ranks): "token-mean" (every token weighs the same), "seq-mean-token-mean" '
-        '(every episode weighs the same: the mean of its token mean), "seq-mean-token-sum" (the mean over '
-        "episodes of their token sums). The actor's and the critic's losses, the entropy and KL terms alike."),
-        paper="seq-mean-token-mean (SPA's runs: verl's token-mean per micro-batch of one episode)")
     share_prefix: bool = setting(True, help=(
         "Compute the tokens the episodes of a micro-batch share (the instruction, each group's first prompt) "
         "once: one sequence laid out as a prefix tree (stages/training/ppo_samples.py), the same losses and "

@@ -1,14 +1,23 @@
 """How per-token losses become the loss of one optimizer step: verl's ``loss_agg_mode``, exactly.
 
 ``loss_agg`` (`sft.loss_agg`, `ppo.loss_agg`) names the aggregate over the whole batch of a step
-(every micro-batch of every rank), with verl's names:
+(every micro-batch of every rank), with verl's names. A sequence is an SFT row (a trajectory or a
+turn, per `clean.unit`) or a PPO episode; its tokens are those that carry a loss.
 
 * ``token-mean``: the sum of the token losses over the batch's token count: every token weighs the
   same, so a long sequence weighs more than a short one.
 * ``seq-mean-token-mean``: the mean over sequences of each sequence's token mean: every sequence
   weighs the same. verl's ``token-mean`` taken per micro-batch of one sequence (SPA's runs: micro
-  batch 1) and averaged over the micro-batches and ranks is exactly this.
+  batch 1, in SFT and PPO) and averaged over the micro-batches and ranks is exactly this.
 * ``seq-mean-token-sum``: the mean over sequences of each sequence's token sum.
+* ``seq-mean-token-sum-norm`` (Dr. GRPO): the mean over sequences of each sequence's token sum
+  divided by a constant, the stage's token budget (`token_budget`): a long sequence weighs more, as
+  in token-mean, but the weight of a token does not shrink when the batch holds more tokens. verl
+  divides each micro-batch's sum of sequence token sums by its ``loss_scale_factor`` (by default
+  the padded response length) and scales micro-batches by 1 / their count, so with micro-batches
+  of one sequence it computes exactly this; with more sequences a micro-batch its value grows with
+  the micro-batch size, which spa, whose aggregate never depends on the micro-batching, does not
+  copy.
 
 A micro-batch contributes ``sum(weights * losses)`` (`token_weights`), with the normaliser of the
 whole batch (`batch_normalizer`): summed over the micro-batches and ranks (the engine undoes
@@ -23,16 +32,28 @@ from typing import get_args
 
 import torch
 
-from stages.common.config import LossAgg
+from stages.common.config import LossAgg, SPAConfig
 
 LOSS_AGGS = get_args(LossAgg)
 
 
-def batch_normalizer(mode: str, tokens: int, sequences: int) -> int:
-    """What the whole batch's aggregate divides by: its token count (token-mean) or its sequence count."""
+def token_budget(config: SPAConfig, stage: str) -> int:
+    """seq-mean-token-sum-norm's constant: the most tokens a sequence of `stage` ("sft" or "ppo")
+    may have, fixed by the config for the whole run. SFT: `sft.max_length` (a row's tokens). PPO:
+    `rollout.max_turns` x `rollout.max_new_tokens` (the tokens an episode's turns may generate)."""
+    if stage == "sft":
+        return config.sft.max_length
+    return config.rollout.max_turns * config.rollout.max_new_tokens
+
+
+def batch_normalizer(mode: str, tokens: int, sequences: int, budget: int) -> int:
+    """What the whole batch's aggregate divides by: its token count (token-mean), its sequence count,
+    or (seq-mean-token-sum-norm) its sequence count times the token `budget` (`token_budget`)."""
     if mode not in LOSS_AGGS:
         raise ValueError(f"unknown loss aggregation {mode!r}; use one of {', '.join(LOSS_AGGS)}")
-    return tokens if mode == "token-mean" else sequences
+    if mode == "token-mean":
+        return tokens
+    return sequences * budget if mode == "seq-mean-token-sum-norm" else sequences
 
 
 def token_weights(sequence_of: torch.Tensor, mode: str, normalizer: int) -> torch.Tensor:

@@ -42,8 +42,9 @@ computed once, and no attention between rows is computed; micro-batches hold up 
 `micro_batch_tokens` computed tokens. Without it, under flash-attention 2, restarting
 `position_ids` select the varlen kernel, which skips cross-row work, and rows are packed
 (first-fit decreasing) up to `micro_batch_tokens`; elsewhere each micro-batch is one row
-(`packing` overrides). Either way the loss is a sum over trained tokens divided by the global
-batch's trained-token count, so how rows are grouped never changes the objective.
+(`packing` overrides). Either way each row's trained tokens keep their row (``rows`` in
+`collate`), so the step's loss is the aggregate `sft.loss_agg` names over the global batch
+(`stages.training.loss_agg`) and how rows are grouped never changes the objective.
 """
 
 from __future__ import annotations
@@ -339,8 +340,8 @@ def rank_micro_batches(examples: list[Example], rank: int, world: int, micro_bat
     With `share` a rank's rows are taken in token order (rows that begin alike side by side) and
     cut into micro-batches whose prefix tree (`stages.common.prefix_tree`) holds at most
     ``micro_batch_tokens`` tokens (a longer row goes alone). The rows of a step stay those the
-    seeded shuffle chose; only their grouping into micro-batches changes, and the loss, a sum over
-    the step's trained tokens divided by their count, does not depend on it. Without `share`:
+    seeded shuffle chose; only their grouping into micro-batches changes, and the loss, the
+    step's aggregate over its rows (`stages.training.loss_agg`), does not depend on it. Without `share`:
     rows packed first-fit decreasing up to the budget (`pack`, for flash-attention 2's varlen
     kernel), else one row per micro-batch."""
     plans = step_plan(examples, world, micro_batch_tokens, pack, share)
