@@ -50,10 +50,11 @@ launcher needs ZeRO (``ppo.zero_stage`` 1-3). In each step:
 * each mini-batch is split into N equal parts balanced by tokens (`ppo_samples.rank_shares`);
   every rank scores its part (old log-probs, values), the scores are gathered, and every rank
   computes the advantages of the whole batch (the whitening sees every token, as in one process);
-* each rank backpropagates its part of every mini-batch, each loss divided by the token count of
-  the WHOLE mini-batch; DeepSpeed sums the gradients over ranks (`engine.DeepSpeedEngine.backward`
-  undoes its averaging), so the update is the token mean over all ranks' tokens, not a mean of
-  per-rank means, and equals one process's up to float rounding;
+* each rank backpropagates its part of every mini-batch, each loss weighted with the normaliser
+  of the WHOLE mini-batch (`ppo.loss_agg`: its token count, or its episode count); DeepSpeed sums
+  the gradients over ranks (`engine.DeepSpeedEngine.backward` undoes its averaging), so the update
+  is the aggregate over all ranks' tokens, not a mean of per-rank aggregates, and equals one
+  process's up to float rounding;
 * every rank hands the new weights to its own rollout engine (under ZeRO-3 each parameter is
   gathered once and every rank pushes it); rank 0 writes metrics, checkpoints and validation
   reports (validation plays its seeds split over the ranks), and every rank resumes from them.
@@ -345,7 +346,7 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
             parts = [[samples[i] for i in part] for part in mini]
             tokens = sum(s.steps for part in parts for s in part)  # every loss: an aggregate of the WHOLE mini-batch
             normalizer = loss_agg.batch_normalizer(ppo.loss_agg, tokens, sum(len(part) for part in parts),
-                                                   loss_agg.token_budget(config, "ppo"))
+                                                   loss_agg.sequence_budget(config, "ppo"))
             micros = rank_micro_batches(parts, ppo.micro_batch_tokens, dist.rank, models.pack)
             batches = [collate(rows, dist.device, pad_id) for rows, _ in micros]
             micro_samples = [[sample for row in rows for sample in row] for rows, _ in micros]  # collate's order

@@ -190,7 +190,7 @@ class _Trainer:
         self.run_dir, self.inputs = run_dir, inputs
         self.sources = [ex.source for ex in train] if self.cfg.merge_turn_rows else None
         self.steps_per_epoch = math.ceil(len(train) / self.cfg.global_batch)
-        self.budget = loss_agg.token_budget(config, "sft")
+        self.sequence_budget = loss_agg.sequence_budget(config, "sft")
         self.total_steps = self.cfg.epochs * self.steps_per_epoch
 
     def fit(self, resuming: bool) -> dict:
@@ -275,7 +275,7 @@ class _Trainer:
                                    self.share)
         trained = sum(row.trained for row in rows)  # of the whole global batch: every rank's rows
         tokens = sum(len(row) for row in rows)  # the rows' tokens, whether or not computed once
-        normalizer = loss_agg.batch_normalizer(self.cfg.loss_agg, trained, len(rows), self.budget)
+        normalizer = loss_agg.batch_normalizer(self.cfg.loss_agg, trained, len(rows), self.sequence_budget)
         lr, loss_sum = self.engine.lr, 0.0
         self.engine.module.train()
         for i, mb in enumerate(micro):

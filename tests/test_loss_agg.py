@@ -44,12 +44,12 @@ def test_the_aggregations_weigh_sequences_differently():
     assert [aggregate_by_definition(mode, losses, BUDGET).item() for mode in loss_agg.LOSS_AGGS] == [1.25, 1.5, 2.5, 0.625]
 
 
-def test_the_norm_modes_constant_is_the_stages_token_budget():
+def test_the_norm_modes_constant_is_the_stages_sequence_budget():
     config = load_config(None, [])
-    assert loss_agg.token_budget(config, "sft") == 2048  # sft.max_length
-    assert loss_agg.token_budget(config, "ppo") == 5 * 400  # rollout.max_turns x rollout.max_new_tokens
+    assert loss_agg.sequence_budget(config, "sft") == 2048  # sft.max_length
+    assert loss_agg.sequence_budget(config, "ppo") == 5 * 400  # rollout.max_turns x rollout.max_new_tokens
     config = load_config(None, ["sft.max_length=512", "rollout.max_turns=2", "rollout.max_new_tokens=96"])
-    assert (loss_agg.token_budget(config, "sft"), loss_agg.token_budget(config, "ppo")) == (512, 192)
+    assert (loss_agg.sequence_budget(config, "sft"), loss_agg.sequence_budget(config, "ppo")) == (512, 192)
 
 
 def test_an_unknown_mode_is_refused():

@@ -11,7 +11,7 @@ turn, per `clean.unit`) or a PPO episode; its tokens are those that carry a loss
   batch 1, in SFT and PPO) and averaged over the micro-batches and ranks is exactly this.
 * ``seq-mean-token-sum``: the mean over sequences of each sequence's token sum.
 * ``seq-mean-token-sum-norm`` (Dr. GRPO): the mean over sequences of each sequence's token sum
-  divided by a constant, the stage's token budget (`token_budget`): a long sequence weighs more, as
+  divided by a constant, the stage's token budget (`sequence_budget`): a long sequence weighs more, as
   in token-mean, but the weight of a token does not shrink when the batch holds more tokens. verl
   divides each micro-batch's sum of sequence token sums by its ``loss_scale_factor`` (by default
   the padded response length) and scales micro-batches by 1 / their count, so with micro-batches
@@ -37,7 +37,7 @@ from stages.common.config import LossAgg, SPAConfig
 LOSS_AGGS = get_args(LossAgg)
 
 
-def token_budget(config: SPAConfig, stage: str) -> int:
+def sequence_budget(config: SPAConfig, stage: str) -> int:
     """seq-mean-token-sum-norm's constant: the most tokens a sequence of `stage` ("sft" or "ppo")
     may have, fixed by the config for the whole run. SFT: `sft.max_length` (a row's tokens). PPO:
     `rollout.max_turns` x `rollout.max_new_tokens` (the tokens an episode's turns may generate)."""
@@ -48,7 +48,7 @@ def token_budget(config: SPAConfig, stage: str) -> int:
 
 def batch_normalizer(mode: str, tokens: int, sequences: int, budget: int) -> int:
     """What the whole batch's aggregate divides by: its token count (token-mean), its sequence count,
-    or (seq-mean-token-sum-norm) its sequence count times the token `budget` (`token_budget`)."""
+    or (seq-mean-token-sum-norm) its sequence count times the token `budget` (`sequence_budget`)."""
     if mode not in LOSS_AGGS:
         raise ValueError(f"unknown loss aggregation {mode!r}; use one of {', '.join(LOSS_AGGS)}")
     if mode == "token-mean":

@@ -140,8 +140,8 @@ def micro_batches(samples: list[Sample], token_budget: int, share: bool = False)
     prompt are computed once. The samples are taken in token order (a group's episodes, which
     share their first prompt, side by side) and a micro-batch ends where the next sample would take
     its packed length past ``token_budget`` (one sample longer than it goes alone). Every loss is
-    a sum over tokens divided by the mini-batch's step count, so neither the packing nor the
-    grouping changes it.
+    a weighted sum over steps with the mini-batch's normaliser (`stages.training.loss_agg`), so
+    neither the packing nor the grouping changes it.
     """
     if share:
         return [[row] for row in _shared_rows(samples, token_budget)]
