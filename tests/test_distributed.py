@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import aggregate_by_definition
 from safetensors.torch import load_file
 
 from stages.common import distributed
@@ -332,6 +333,86 @@ def test_zero3_over_two_ranks_trains_and_samples_like_zero2(answering_dir, two_r
     before = weights(answering_dir)
     assert_same_weights(weights(tmp_path / "run" / "step-1"), weights(two_ranks / "step-1"), before,
                         summation_tolerance(reference, 1))
+
+
+def test_episodes_weighed_alike_over_two_ranks_make_the_one_process_update(answering_dir, one_rank, tmp_path):
+    """``ppo.loss_agg=seq-mean-token-mean`` (the paper configs'): each rank weighs its episodes,
+    of unequal lengths, by the episode count of the whole mini-batch, so two ranks update as one
+    process does (`summation_tolerance`). The same episodes aggregated as a token mean (`one_rank`)
+    update the weights apart by more than that tolerance: the weighting is what is compared."""
+    per_episode = ["ppo.loss_agg=seq-mean-token-mean"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    completed(spa(ppo_args(answering_dir, one, 1, *per_episode), tmp_path))
+    completed(spa(ppo_args(answering_dir, two, 1, *per_episode), tmp_path, ranks=2))
+    reference, rows = metric_rows(one), metric_rows(two)
+    for field in EPISODE_FIGURES:
+        assert rows[1][field] == reference[1][field] == metric_rows(one_rank)[1][field], field
+    assert_same_update(rows[1], reference, 1)
+    before, tolerance = weights(answering_dir), summation_tolerance(reference, 1)
+    assert_same_weights(weights(two / "final"), weights(one / "final"), before, tolerance)
+    with pytest.raises(AssertionError):
+        assert_same_weights(weights(one_rank / "final"), weights(one / "final"), before, tolerance)
+
+
+def sft_rows(turns: list[int]) -> list[dict]:
+    """SFT rows of ``turns[i]`` assistant turns each: rows of unequal lengths."""
+    rows = []
+    for i, count in enumerate(turns):
+        messages = [{"role": "system", "content": "Solve the puzzle. Think, then answer."}]
+        for t in range(count):
+            move = ("Left", "Up", "Right")[(i + t) % 3]
+            messages += [{"role": "user", "content": f"Puzzle {i}, turn {t + 1}: the player stands at ({i}, {t})."},
+                         {"role": "assistant", "content": f"<think> I go {move}. </think> <answer> {move} </answer>"}]
+        rows.append({"id": f"row-{i}", "messages": messages})
+    return rows
+
+
+def test_sft_rows_weighed_alike_over_two_ranks_step_as_one_process(tokenizer, tiny_model_dir, tmp_path):
+    """``sft.loss_agg=seq-mean-token-mean`` over two ranks holding unequal numbers of rows of
+    unequal lengths: every step's gradient norm is the one-batch aggregate's (computed here from
+    each row alone), and the loss and weights are one process's, up to the rounding of another
+    summation order over the step's tokens. Ranks that averaged their own aggregates would give a
+    gradient norm off by far more than that tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.common import models
+    from stages.sft import token_ce
+    from stages.training.sft_data import collate, epoch_steps, step_plan, tokenize_rows
+
+    rows = sft_rows([4, 1, 1, 1, 1])
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
+    step = [examples[i] for i in epoch_steps(len(examples), 0, seed=1, global_batch=len(examples))[0]]
+    parts = [[step[r] for mb in plan for r in mb.rows] for plan in step_plan(step, 2, 4096, share=True)]
+    assert len(parts[0]) != len(parts[1])
+
+    models._use_spa_sdpa()  # as load_model does
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+
+    def grad_norm(batches: list[list]) -> float:
+        """The norm of the gradient of the mean over `batches` of each one's aggregate."""
+        model.zero_grad()
+        for batch in batches:
+            losses = [token_ce(model, collate([example])) for example in batch]
+            (aggregate_by_definition("seq-mean-token-mean", losses, 0) / len(batches)).backward()
+        return float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
+
+    expected, averaged_over_ranks = grad_norm([step]), grad_norm(parts)
+    args = ["sft", "--data", str(data), "--model", str(tiny_model_dir), "-q",
+            *sets(["sft.epochs=2", f"sft.global_batch={len(rows)}", f"sft.lr={LR}", "sft.warmup_ratio=0",
+                   "sft.loss_agg=seq-mean-token-mean", "sft.zero_stage=2"])]
+    one, two = tmp_path / "one", tmp_path / "two"
+    completed(spa([*args, "--out", str(one)], tmp_path))
+    completed(spa([*args, "--out", str(two)], tmp_path, ranks=2))
+    reference, metrics = metric_rows(one), metric_rows(two)
+    tolerance = reference[1]["tokens"] * UNIT_ROUNDOFF  # one step's sums over its tokens
+    assert abs(averaged_over_ranks - expected) > 100 * tolerance * expected
+    for run in (reference, metrics):
+        assert abs(run[1]["grad_norm"] - expected) <= tolerance * expected, (run[1]["grad_norm"], expected)
+    for field in ("loss", "grad_norm"):  # step 2: after one update, the rounding of two steps
+        assert abs(metrics[2][field] - reference[2][field]) <= 2 * tolerance * reference[2][field], field
+    assert_same_weights(weights(two / "final"), weights(one / "final"), weights(tiny_model_dir), 2 * tolerance)
 
 
 # ---- eval and generate: seeds split over the ranks -------------------------------------------------
