@@ -57,7 +57,7 @@ class NaiveGenerateBackend:
         from stages.agent.backends.base import Completion
 
         completions = []
-        for request in requests:
+        for request in [single for request in requests for single in request.singles()]:
             prompt = torch.tensor([request.prompt_ids])
             with torch.inference_mode():
                 out = self.model.generate(

@@ -105,6 +105,39 @@ def test_identical_prompts_are_prefilled_once(model, tokenizer):
     assert [out.token_ids for out in outputs] == [refs[i % 2] for i in range(6)]
 
 
+def test_an_n_request_is_its_singles_prefilled_once_and_each_sample_plays_on(model, tokenizer):
+    """Two puzzles' samples as two n-requests: each prompt prefilled once, its KV in every sample's
+    row; the same draws as the lone requests (one generator per call, rows in order); greedy, each
+    sample is the lone request's; on the next turn each sample extends its own cached episode."""
+    rng = random.Random(12)
+    instruction = random_ids(rng, 30)
+    puzzles = [instruction + [1000 + g] + random_ids(rng, 19) for g in range(2)]
+    requests = [GenerationRequest("a0", puzzles[0], more_keys=("a1", "a2")),
+                GenerationRequest("b0", puzzles[1], more_keys=("b1",))]
+    singles = [single for request in requests for single in request.singles()]
+    assert [(r.key, r.prompt_ids) for r in singles] == [(k, puzzles[k[0] == "b"])
+                                                         for k in ("a0", "a1", "a2", "b0", "b1")]
+    assert [r.seed for r in singles] == [0, 1, 2, 0, 1] and not any(r.more_keys for r in singles)
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0, stop=(), seed=4)
+    backend = HFBackend(model, tokenizer)
+    together = backend.generate(requests, sampled)
+    assert backend.stats["prefilled_tokens"] == 30 + 2 * 19 + 5  # the instruction, each puzzle, each row's last
+    alone = HFBackend(model, tokenizer).generate(singles, sampled)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    assert len({tuple(c.token_ids) for c in together[:3]}) > 1  # a puzzle's samples differ
+    greedy = HFBackend(model, tokenizer).generate(requests, GREEDY)
+    assert [c.token_ids for c in greedy] == [fresh(model, tokenizer, r, GREEDY).token_ids for r in singles]
+    check_cache_consistent(backend)
+    following = [GenerationRequest(r.key, r.prompt_ids + c.token_ids + random_ids(rng, 4))
+                 for r, c in zip(singles, together)]
+    reused = backend.stats["reused_tokens"]
+    for request, out in zip(following, backend.generate(following, GREEDY)):
+        assert out.token_ids == fresh(model, tokenizer, request, GREEDY).token_ids
+    # each sample's cached episode: its prompt and completion but the last token (sampled, never fed)
+    assert backend.stats["reused_tokens"] - reused == sum(len(r.prompt_ids) + len(c.token_ids) - 1
+                                                          for r, c in zip(singles, together))
+
+
 def test_batch_with_different_lengths_equals_one_by_one(model, tokenizer):
     rng = random.Random(3)
     requests = [GenerationRequest(f"r{i}", random_ids(rng, n)) for i, n in enumerate([3, 31, 9, 17, 1])]

@@ -104,14 +104,16 @@ class ScriptedBackend:
         self.completions: dict[tuple[str, int], list[int]] = {}
         self.seeds: dict[tuple[str, int], int] = {}
         self.released: list[str] = []
-        self.batches: list[int] = []
+        self.batches: list[int] = []  # requests per call
+        self.keys: list[list[tuple[str, ...]]] = []  # per call, the keys of each request
         self.params = []
 
     def generate(self, requests, params, progress=None):
         self.batches.append(len(requests))
         self.params.append(params)
+        self.keys.append([request.keys for request in requests])
         out = []
-        for request in requests:
+        for request in [single for request in requests for single in request.singles()]:
             turn = sum(1 for key, _ in self.prompts if key == request.key) + 1
             self.prompts[(request.key, turn)] = list(request.prompt_ids)
             self.seeds[(request.key, turn)] = request.seed
@@ -362,6 +364,44 @@ def test_each_request_has_a_seed_of_its_episode_and_turn_whatever_the_waves(corr
     assert seeds[0][("corridor-10-1", 2)] == stable_seed(0, "corridor-10-1-2", bits=31)
     _, other = run_script(batch_size=4, sample_seed=1)
     assert set(other.seeds.values()).isdisjoint(seeds[0].values())
+
+
+def test_a_puzzles_samples_share_one_n_request_on_their_first_turn(corridor, tokenizer):
+    """Their first prompts are equal token for token: one request for the group, then one per
+    episode; corridor 10 and 12 show equal prompts too, but are different puzzles."""
+    _, backend = run_script(tokenizer)
+    assert backend.keys[0] == [("corridor-10-0", "corridor-10-1"), ("corridor-11-0", "corridor-11-1")]
+    assert all(len(keys) == 1 for call in backend.keys[1:] for keys in call)
+    assert backend.prompts[("corridor-10-0", 1)] == backend.prompts[("corridor-10-1", 1)]
+    backend = ScriptedBackend(SCRIPT | {"corridor-12-0": SCRIPT["corridor-10-0"]}, tokenizer)
+    play_with(make_config(), backend, [10, 12], 1)
+    assert backend.prompts[("corridor-10-0", 1)] == backend.prompts[("corridor-12-0", 1)]
+    assert backend.keys[0] == [("corridor-10-0",), ("corridor-12-0",)]
+
+
+def test_first_turn_seeds_are_the_puzzles_plus_the_sample_whatever_the_waves(corridor, tokenizer):
+    """An n-request's i-th sample draws with seed + i: a sample's own first-turn seed, whether its
+    group is one request (batch_size 4), is cut by a wave (3) or plays alone (1)."""
+    seeds, calls = [], []
+    for batch_size in (1, 3, 4):
+        _, backend = run_script(tokenizer, batch_size=batch_size)
+        seeds.append(backend.seeds)
+        calls.append(backend.keys[0])
+    assert seeds[0] == seeds[1] == seeds[2]
+    assert calls == [[("corridor-10-0",)], [("corridor-10-0", "corridor-10-1"), ("corridor-11-0",)],
+                     [("corridor-10-0", "corridor-10-1"), ("corridor-11-0", "corridor-11-1")]]
+    for seed, sample in itertools.product((10, 11), (0, 1)):
+        assert seeds[0][(f"corridor-{seed}-{sample}", 1)] == stable_seed(0, f"corridor-{seed}-1", bits=31) + sample
+    assert len(set(seeds[0].values())) == len(seeds[0]) == 10
+
+
+def test_samples_left_out_by_a_resume_break_the_n_request(corridor, tokenizer):
+    """An n-request's seeds run on (seed + i): samples 0 and 2 of a puzzle are two requests."""
+    script = {f"corridor-10-{sample}": SCRIPT["corridor-10-0"] for sample in range(3)}
+    backend = ScriptedBackend(script, tokenizer)
+    play_with(make_config(), backend, [10], 3, skip_ids=frozenset({"corridor-10-1"}))
+    assert backend.keys[0] == [("corridor-10-0",), ("corridor-10-2",)]
+    assert backend.seeds[("corridor-10-2", 1)] == stable_seed(0, "corridor-10-1", bits=31) + 2
 
 
 @pytest.mark.parametrize("key,value", [("max_turns", 0), ("max_actions_per_turn", 0), ("batch_size", 0),

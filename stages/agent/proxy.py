@@ -19,8 +19,17 @@ Choices and simplifications compared with SPA/RAGEN:
   generate` write finished episodes early, so a kill loses at most one wave.
 * Sampling seeds: each backend call gets a seed (from `rollout.sample_seed`, the wave's first
   episode and the turn), which the hf backend draws its whole batch from; each request gets one of
-  its own (from `rollout.sample_seed`, its episode and the turn), which vLLM draws that request
-  from alone, so that its episodes do not depend on how they are cut into waves.
+  its own, which vLLM draws that request from alone, so that its episodes do not depend on how
+  they are cut into waves. A later turn's seed comes from `rollout.sample_seed`, the episode and
+  the turn; a first turn's is the puzzle's (from `rollout.sample_seed`, the game and its seed)
+  plus the sample's index.
+* n-requests: the samples of a puzzle start from one state, so their first prompts are equal
+  token for token; consecutive samples of a wave with equal first prompts go to the backend as
+  one n-request (`GenerationRequest.keys`; vLLM's ``SamplingParams(n=...)``), seeded with the
+  first one's seed. vLLM draws its i-th sample with seed + i, which is that sample's own seed: an
+  n-request draws what the samples' lone requests would, n independent draws, whatever the waves
+  cut from the group. Later turns are one request per episode. `spa eval` (eval.n samples),
+  `spa generate` and `spa ppo` (rollout.group_size) share this path.
 * The stored `messages` end with the last assistant message: the final "Reward:" message of
   RAGEN's history is never shown to the model, so it is not part of the chat it saw.
 * The turn-level `reward` is the env's reward only; the format penalty is kept apart (per turn in
@@ -94,16 +103,31 @@ class AgentProxy:
                    context: ContextManager) -> None:
         """One backend call for all live episodes, then each episode's turn."""
         prompt_ids = [context.prompt_ids(episode) for episode in live]
-        requests = [GenerationRequest(episode.id, ids, env_manager.game(episode).env, self._seed(episode.id, turn))
-                    for episode, ids in zip(live, prompt_ids)]
+        requests = self._requests(live, prompt_ids, turn, env_manager)
         progress = self.meter.generated if self.meter is not None else None
         params = self._sampling_params(self._seed(wave, turn))
         completions = self.backend.generate(requests, params, progress=progress)
-        if len(completions) != len(requests):
+        if len(completions) != len(live):
             raise RuntimeError(f"backend {self.backend.name} returned {len(completions)} completions "
-                               f"for {len(requests)} requests")
+                               f"for {len(live)} episodes")
         for episode, ids, completion in zip(live, prompt_ids, completions):
             self._advance(episode, ids, completion, env_manager, context)
+
+    def _requests(self, live: list[Episode], prompt_ids: list[list[int]], turn: int,
+                  env_manager: EnvStateManager) -> list[GenerationRequest]:
+        """A request per episode, but on the first turn one n-request for consecutive samples of a
+        puzzle whose prompts are equal (see the module docstring)."""
+        requests: list[GenerationRequest] = []
+        last = None
+        for episode, ids in zip(live, prompt_ids):
+            if (turn == 1 and last is not None and ids and ids == requests[-1].prompt_ids
+                    and (episode.group, episode.sample) == (last.group, last.sample + 1)):
+                requests[-1].more_keys += (episode.id,)
+            else:
+                requests.append(GenerationRequest(episode.id, ids, env_manager.game(episode).env,
+                                                  self._request_seed(episode, turn)))
+            last = episode
+        return requests
 
     def _retire(self, live: list[Episode], env_manager: EnvStateManager,
                 context: ContextManager) -> list[Episode]:
@@ -156,6 +180,13 @@ class AgentProxy:
         """A reproducible seed named by an episode (a call's: its wave's first) and the turn: one
         fixed seed would correlate turns and waves, and PPO's fresh puzzles get fresh samples."""
         return stable_seed(self.rollout.sample_seed, f"{episode_id}-{turn}", bits=31)
+
+    def _request_seed(self, episode: Episode, turn: int) -> int:
+        """The seed of an episode's request on turn `turn`: on the first, the puzzle's seed plus
+        the sample's index, the seed of the sample's place in its puzzle's n-request."""
+        if turn == 1:
+            return self._seed(f"{episode.env}-{episode.seed}", turn) + episode.sample
+        return self._seed(episode.id, turn)
 
     def _sampling_params(self, seed: int) -> SamplingParams:
         rollout = self.rollout

@@ -140,7 +140,8 @@ def test_each_turn_extends_the_last_prompt_with_the_sampled_tokens(engine, token
 
         def generate(self, requests, params, progress=None):
             completions = engine.generate(requests, params, progress)
-            calls.append({r.key: (r.prompt_ids, c) for r, c in zip(requests, completions)})
+            singles = [single for request in requests for single in request.singles()]
+            calls.append({r.key: (r.prompt_ids, c) for r, c in zip(singles, completions)})
             return completions
 
         def release(self, keys):
@@ -177,3 +178,60 @@ def test_each_request_samples_from_its_own_seed_and_leaves_the_callers_generator
     assert [c.token_ids for c in engine.generate([other, *requests[::-1]], params)][1:] == first[::-1]
     reseeded = [dataclasses.replace(r, seed=r.seed + 10) for r in requests]
     assert [c.token_ids for c in engine.generate(reseeded, params)] != first
+
+
+class Singles:
+    """The engine, sent each n-request as its lone requests (`GenerationRequest.singles`); records
+    the keys of each call's requests as they came."""
+
+    def __init__(self, engine, split: bool):
+        self.engine, self.split, self.calls = engine, split, []
+        self.name, self.tokenizer = engine.name, engine.tokenizer
+
+    def generate(self, requests, params, progress=None):
+        self.calls.append([r.keys for r in requests])
+        if self.split:
+            requests = [single for request in requests for single in request.singles()]
+        return self.engine.generate(requests, params, progress)
+
+    def release(self, keys):
+        self.engine.release(keys)
+
+
+def test_an_n_request_draws_what_its_lone_requests_draw(engine, tokenizer):
+    """vLLM seeds the i-th sample of SamplingParams(n=...) with seed + i: an n-request's samples
+    are those of the requests `singles()` makes, token for token, and their log-probs up to the
+    rounding of batched kernels (fp32: about 1e-5 here; 1e-3 leaves room)."""
+    request = GenerationRequest("a", chat_ids(tokenizer, "Tell me a story."), seed=41,
+                                more_keys=("b", "c", "d"))
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, stop=())
+    together = engine.generate([request], params)
+    alone = [engine.generate([single], params)[0] for single in request.singles()]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    for ours, lone in zip(together, alone):
+        assert ours.logprobs == pytest.approx(lone.logprobs, abs=1e-3)
+    assert len({tuple(c.token_ids) for c in together}) == 4  # four independent draws
+    assert [c.token_ids for c in engine.generate([request], params)] == [c.token_ids for c in together]
+    greedy = dataclasses.replace(params, temperature=0.0)
+    assert [c.token_ids for c in engine.generate([request], greedy)] == \
+        [engine.generate([GenerationRequest("e", request.prompt_ids)], greedy)[0].token_ids] * 4
+
+
+def test_a_puzzles_samples_start_with_one_n_request_and_play_on_as_lone_requests_would(engine):
+    """Eval's n samples of a puzzle: one request on the first turn, one per episode after it; the
+    episodes are those of lone requests, turn for turn, and the same when played again."""
+    config = rollout_config()
+    played = {}
+    for split in (False, True):
+        backend = Singles(engine, split)
+        played[split] = play(config.env, config.rollout, backend, [500, 501], 4, **MODES)
+        assert backend.calls[0] == [tuple(f"sokoban-{seed}-{sample}" for sample in range(4)) for seed in (500, 501)]
+        assert all(len(keys) == 1 for call in backend.calls[1:] for keys in call)
+        assert len(backend.calls) == 2  # two turns: the second one request per episode still going
+    assert sum(len(e.turns) for e in played[False]) > len(played[False])  # some episodes played a second turn
+    for ours, alone in zip(played[False], played[True]):
+        assert ours.token_ids == alone.token_ids and ours.logprobs == pytest.approx(alone.logprobs, abs=1e-3)
+        assert [t.response for t in ours.turns] == [t.response for t in alone.turns]
+    assert len({e.turns[0].response for e in played[False][:4]}) > 1  # a puzzle's samples differ
+    again = play(config.env, config.rollout, engine, [500, 501], 4, **MODES)
+    assert [e.token_ids for e in again] == [e.token_ids for e in played[False]]

@@ -6,10 +6,17 @@ completion each. Requests carry token ids (token-in) and completions return the 
 episode: a backend may keep state per key (the HF backend keeps the episode's KV cache, since each
 turn's prompt extends the previous turn's prompt and completion), but the result must not depend
 on it.
+
+An *n-request* serves several episodes that start from the same prompt (the samples of one
+puzzle on their first turn): its `keys` name them, and the backend returns one completion per
+key, in order, the i-th drawn as a lone request with seed ``seed + i`` would be (vLLM seeds the
+i-th sample of ``SamplingParams(n=...)`` so). A backend that has no use for it plays the
+request's `singles()`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -37,6 +44,18 @@ class GenerationRequest:
     # The seed of this request's own draws, for a backend that samples each request apart (vllm):
     # its tokens then do not depend on the other requests of the call.
     seed: int = 0
+    # An n-request's further episodes, after `key`'s (see the module docstring).
+    more_keys: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The episodes this request samples for, one completion each."""
+        return (self.key, *self.more_keys)
+
+    def singles(self) -> list[GenerationRequest]:
+        """The request as one request per key, the i-th seeded ``seed + i``: the same draws."""
+        return [dataclasses.replace(self, key=key, seed=self.seed + i, more_keys=())
+                for i, key in enumerate(self.keys)]
 
 
 @dataclass
@@ -60,8 +79,9 @@ class GenerationBackend(Protocol):
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams,
                  progress: OnProgress | None = None) -> list[Completion]:
-        """One completion per request, in order; `progress` is told of tokens and completions as
-        they are made (a backend that cannot tell earlier reports them all when it returns)."""
+        """One completion per key of each request, in order; `progress` is told of tokens and
+        completions as they are made (a backend that cannot tell earlier reports them all when it
+        returns)."""
         ...
 
     def release(self, keys: list[str]) -> None:

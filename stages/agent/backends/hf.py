@@ -33,7 +33,8 @@ to it). The next call reuses, per request, the longest prefix its prompt shares 
 * the shared prefix: the longest common prefix of the new episodes' prompts (system prompt +
   instruction), prefilled once at batch 1 and kept across calls, or
 * an identical prompt of another new episode (the episodes of a group play the same puzzle, so
-  their first prompts are equal): each distinct prompt is prefilled once,
+  their first prompts are equal, and the agent loop sends them as one n-request): each distinct
+  prompt is prefilled once, its KV copied into the rows of every episode that starts from it,
 
 and gathers those columns into the new slab. A prompt that extends nothing cached is prefilled
 from scratch, so reuse only ever saves work: results equal a full prefill of each prompt (up to
@@ -208,8 +209,10 @@ class HFBackend:
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams,
                  progress: OnProgress | None = None) -> list[Completion]:
-        """One completion per request; `progress` hears of every decode step's tokens and of each
-        completion as it finishes."""
+        """One completion per key of each request; `progress` hears of every decode step's tokens
+        and of each completion as it finishes. An n-request is its singles: their one prompt is
+        prefilled once and its KV gathered into each of their rows (`_share_prompts`)."""
+        requests = [single for request in requests for single in request.singles()]
         if not requests:
             return []
         keys = [r.key for r in requests]

@@ -57,7 +57,7 @@ class RandomBackend:
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams,
                  progress: OnProgress | None = None) -> list[Completion]:
-        completions = [self._complete(request) for request in requests]
+        completions = [self._complete(single) for request in requests for single in request.singles()]
         if progress is not None:
             progress(0, len(completions))  # text, no tokens
         return completions

@@ -40,10 +40,13 @@ Sampling. Log-probs are those of the distribution sampled from (``logprobs_mode=
 own, seeded with the request's seed (`GenerationRequest.seed`, which the agent loop derives from
 the episode and the turn): a request's tokens do not depend on the other requests of the call, so
 the same episodes come out whatever the waves, the engine's concurrency or the number of ranks
-(up to the rounding of batched kernels). vLLM rewinds a request's generator when it drops a token
-sampled during a chunked prefill, which CPU generators cannot do ("CPU Generator does not use
-offset"): on a CPU prefills are not chunked. In-process, the caller's own generator states are
-put back after each call.
+(up to the rounding of batched kernels). An n-request (a puzzle's samples on their first turn) is
+one vLLM request with ``SamplingParams(n=...)``: the engine takes its prompt in once and makes its
+i-th sample a request of its own seeded ``seed + i``, which draws what that lone request would
+(greedy, at temperature 0, where vLLM refuses ``n`` > 1, the n-request goes as its lone requests).
+vLLM rewinds a request's generator when it drops a token sampled during a chunked prefill, which
+CPU generators cannot do ("CPU Generator does not use offset"): on a CPU prefills are not chunked.
+In-process, the caller's own generator states are put back after each call.
 
 Weights. `load_weights(named_parameters)` sends the trainer's weights by name into vLLM's own
 in-place reload (`vllm_worker.WorkerExtension.spa_load_weights`), checks that every engine
@@ -301,8 +304,11 @@ class VLLMBackend:
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams,
                  progress: OnProgress | None = None) -> list[Completion]:
-        """One completion per request; vLLM's offline engine runs the batch to its end in one
-        call, so `progress` hears of it all when the call returns."""
+        """One completion per key of each request (an n-request is one vLLM request with
+        ``n``); vLLM's offline engine runs the batch to its end in one call, so `progress` hears
+        of it all when the call returns."""
+        if params.temperature <= 0:  # vLLM samples n > 1 only at a temperature; greedy, the n are equal
+            requests = [single for request in requests for single in request.singles()]
         if not requests:
             return []
         vllm = self._vllm
@@ -313,13 +319,13 @@ class VLLMBackend:
         prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         # Room for every prompt: vLLM refuses a request whose prompt plus max_tokens exceeds its context.
         sampling = [vllm.SamplingParams(
-            n=1, temperature=params.temperature, top_p=params.top_p, seed=r.seed,
+            n=len(r.keys), temperature=params.temperature, top_p=params.top_p, seed=r.seed,
             max_tokens=min(params.max_new_tokens, self.max_model_len - len(r.prompt_ids)),
             stop=list(params.stop), stop_token_ids=self.eos_ids, include_stop_str_in_output=True, logprobs=0,
         ) for r in requests]
         with self._callers_rng():
             outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-        completions = [_completion(output.outputs[0]) for output in outputs]
+        completions = [_completion(sample) for output in outputs for sample in output.outputs]
         if progress is not None:
             progress(sum(len(c.token_ids) for c in completions), len(completions))
         return completions
