@@ -64,6 +64,7 @@ equal its stages, and take the variant's name where they differ. Layout of `pipe
     table.md                     the comparison, laid out like the paper's Table 2
     curves.png                   the training curves of sft/ and ppo/ (`spa plot`)
     pass_at_k.png                the Pass@k curves of the arms, with 95% bands
+    ppo/<id>/val/pass_at_k.png   the Pass@k curves of a PPO run's validations (ppo.val_every), with 95% bands
     pipeline_state.json          the stages completed, under which fingerprint, in how many seconds,
                                  with what peak resident memory (`stages.common.rss`)
 
@@ -879,9 +880,10 @@ def write_table(the_plan: Plan) -> str:
 
 def write_plots(the_plan: Plan) -> None:
     """curves.png from the training runs' metrics (sft/ID, ppo/ID), pass_at_k.png from the arms'
-    eval reports, with 95% bands."""
+    eval reports, and ppo/ID/val/pass_at_k.png from each PPO run's validations (the paper's Fig. 7),
+    with 95% bands."""
     from stages.evaluation import plots
-    from stages.evaluation.reports import load_report
+    from stages.evaluation.reports import load_report, validation_reports
 
     with contextlib.suppress(UserError):  # no training stage in this run: no curves
         plots.plot_curves(plots.runs_in(the_plan.dir), the_plan.dir / "curves.png")
@@ -889,6 +891,10 @@ def write_plots(the_plan: Plan) -> None:
     if arms:
         plots.plot_pass_at_k([load_report(the_plan.rows[arm.name].config.eval.out) for arm in arms],
                              the_plan.dir / "pass_at_k.png", [arm.label or arm.name for arm in arms])
+    for run in sorted(the_plan.dir.glob("ppo/*")):
+        if steps := validation_reports(run):
+            plots.plot_pass_at_k([load_report(path) for path in steps], run / "val" / "pass_at_k.png",
+                                 [path.stem.replace("-", " ") for path in steps])
 
 
 def _percent(value: float | None) -> str:

@@ -146,6 +146,30 @@ def test_a_pass_at_k_figure_of_many_reports_gives_each_its_own_color_and_a_legen
     assert ax.get_legend().get_window_extent().x0 > ax.get_window_extent().x1
 
 
+def test_a_pipeline_draws_each_ppo_runs_validations_in_step_order(tmp_path, monkeypatch):
+    """Fig. 7: the Pass@k curves of ppo/<id>/val/step-N.json, one per validation."""
+    from types import SimpleNamespace
+
+    from stages import pipeline
+    from stages.evaluation import reports
+
+    val = tmp_path / "ppo" / "spa" / "val"
+    val.mkdir(parents=True)
+    for step, counts in ((0, [0, 1, 0, 2]), (10, [3, 4, 2, 4]), (2, [1, 1, 2, 2])):
+        written = {"format": reports.REPORT_FORMAT, "format_version": reports.REPORT_VERSION,
+                   **report(f"step {step}", counts)}
+        (val / f"step-{step}.json").write_text(json.dumps(written))
+    (val / "step-0.json.manifest.json").write_text("{}")
+    (tmp_path / "ppo" / "vanilla_rl").mkdir()  # validated never: no plot
+    drawn = []
+    draw = plots.plot_pass_at_k
+    monkeypatch.setattr(plots, "plot_pass_at_k", lambda *args: drawn.append(args) or draw(*args))
+    pipeline.write_plots(SimpleNamespace(dir=tmp_path, arms=[], rows={}))
+    [(shown, path, names)] = drawn
+    assert path == val / "pass_at_k.png" and png_size(path) == (600, 400)
+    assert names == ["step 0", "step 2", "step 10"] and [r["settings"]["model"] for r in shown] == names
+
+
 def test_eval_compare_plots_the_reports(tmp_path):
     paths = []
     for name in ("a", "b"):

@@ -36,6 +36,16 @@ def trajectories_path(out: str | Path) -> Path:
     return artifacts.sidecar_path(out, "trajectories")
 
 
+def reports_in(directory: str | Path) -> list[Path]:
+    """The eval reports in `directory`, by name (their manifests, ``NAME.json.manifest.json``, aside)."""
+    return sorted(p for p in Path(directory).glob("*.json") if not p.name.endswith(artifacts.MANIFEST_NAME))
+
+
+def validation_reports(ppo_dir: str | Path) -> list[Path]:
+    """A PPO run's validation reports, ``val/step-N.json``, by step."""
+    return sorted(reports_in(Path(ppo_dir) / "val"), key=lambda p: int(p.stem.removeprefix("step-")))
+
+
 def report_settings(config: SPAConfig, env: TextGameEnv, n: int, k: int, model: str) -> dict[str, Any]:
     """Everything that decides what an eval measures, as recorded in its report."""
     rollout = config.rollout

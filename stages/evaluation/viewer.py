@@ -138,8 +138,8 @@ def _run_directory(root: Path) -> tuple[str, list[str], list[dict[str, Any]]]:
     if runs:
         figure = plots.curves_figure(runs)
         sections.append(_section("Training curves", _image(plots.png_bytes(figure), "training curves")))
-    evals = _reports_in(root / "eval")
-    validations = sorted(_reports_in(root / "val"), key=lambda p: int(p.stem.removeprefix("step-")))
+    evals = reports.reports_in(root / "eval")
+    validations = reports.validation_reports(root)
     first_and_last = validations[:1] + validations[1:][-1:]
     named = [(path, path.stem) for path in evals] + [(path, f"validation {path.stem}") for path in first_and_last]
     loaded = [(path, name, reports.load_report(path)) for path, name in named]
@@ -151,11 +151,6 @@ def _run_directory(root: Path) -> tuple[str, list[str], list[dict[str, Any]]]:
         raise UserError(f"{root} holds no spa run (no table.md, metrics.jsonl or eval reports); spa view expects "
                         f"{VIEW_EXPECTS}")
     return f"run {root}", sections, episodes
-
-
-def _reports_in(directory: Path) -> list[Path]:
-    """The eval reports in `directory` (their manifests, ``NAME.json.manifest.json``, aside)."""
-    return sorted(p for p in directory.glob("*.json") if not p.name.endswith(artifacts.MANIFEST_NAME))
 
 
 # ---- the episodes' data ----------------------------------------------------------------------------
