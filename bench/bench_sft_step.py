@@ -49,7 +49,6 @@ def category(op: str) -> str:
 
 def measure(data: str, rows_per_step: int, dtype: str, stage: int, share: bool) -> dict:
     """One variant's timed and profiled step (see the module docstring)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from stages.common.config import load_config
