@@ -19,7 +19,7 @@ hold and the tokens computed, the matmul rate reached inside the step, MFU (6 x 
 computed tokens / step time, over the run's matmul peak in that precision, as `bench_sft.py`) and
 the peak RSS.
 
-    python bench/bench_sft_step.py [--rows-per-step 2] [--dtype float32 --dtype bfloat16]
+    python bench/bench_sft_step.py [--model smollm2-135m] [--rows-per-step 2] [--dtype float32 --dtype bfloat16]
                                    [--variant z2_shared --variant z2_unshared --variant z0_unshared]
 """
 
@@ -47,7 +47,7 @@ def category(op: str) -> str:
                 "other")
 
 
-def measure(data: str, rows_per_step: int, dtype: str, stage: int, share: bool) -> dict:
+def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, share: bool) -> dict:
     """One variant's timed and profiled step (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -57,7 +57,7 @@ def measure(data: str, rows_per_step: int, dtype: str, stage: int, share: bool) 
     from stages.training import trainable
     from stages.training.sft_data import collate, rank_micro_batches, read_rows, step_plan, tokenize_rows
 
-    config = load_config(None, [], {"model.name": "smollm2-135m", "model.dtype": dtype, "sft.zero_stage": stage,
+    config = load_config(None, [], {"model.name": model, "model.dtype": dtype, "sft.zero_stage": stage,
                                     "quiet": True})
     cfg = config.sft
     dist = trainable.start_processes(config.model, stage)
@@ -118,6 +118,7 @@ def run_child(spec: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rows-per-step", type=int, default=2)
     parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"))
     parser.add_argument("--variant", action="append", choices=tuple(VARIANTS))
@@ -137,13 +138,13 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-sft-step-"))
     data = str(make_data(work, rows=2 * args.rows_per_step + 2))
-    result: dict = {"model": "smollm2-135m", "rows_per_step": args.rows_per_step, "device": "cpu"}
+    result: dict = {"model": args.model, "rows_per_step": args.rows_per_step, "device": "cpu"}
     for dtype in args.dtype or ["float32", "bfloat16"]:
         peak = run_child({"kind": "peak", "dtype": dtype})["flops"]
         runs = {"matmul_peak_gflops": round(peak / 1e9, 1)}
         for name in args.variant or ["z2_shared", "z2_unshared", "z0_unshared"]:
             stage, share = VARIANTS[name]
-            run = run_child({"kind": "step", "data": data, "rows_per_step": args.rows_per_step, "dtype": dtype,
+            run = run_child({"kind": "step", "model": args.model, "data": data, "rows_per_step": args.rows_per_step, "dtype": dtype,
                              "stage": stage, "share": share})
             if "flops_per_s" in run:
                 run["mfu"] = round(run.pop("flops_per_s") / peak, 3)
