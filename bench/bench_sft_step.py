@@ -15,9 +15,10 @@ first-use costs, Adam's state), then one step timed phase by phase and profiled 
 Variants: precision (fp32; bf16 = fp32 weights under bf16 autocast) x engine (DeepSpeed ZeRO-2,
 the default, or plain torch, `sft.zero_stage=0`) x prefix sharing (`sft.share_prefix`).
 Prints one JSON object: per variant the phases' seconds, the profile's split, the tokens the rows
-hold and the tokens computed, the matmul rate reached inside the step, MFU (6 x parameters x
-computed tokens / step time, over the run's matmul peak in that precision, as `bench_sft.py`) and
-the peak RSS.
+hold and the tokens computed, the rate of the linear layers' matmuls inside the step (their FLOPs:
+6 x the weights of the layers x the tokens they see, the LM head on the trained tokens only, over
+the profile's matmul time), MFU (6 x parameters x computed tokens / step time, over the run's
+matmul peak in that precision, as `bench_sft.py`) and the peak RSS.
 
     python bench/bench_sft_step.py [--model smollm2-135m] [--rows-per-step 2] [--dtype float32 --dtype bfloat16]
                                    [--variant z2_shared --variant z2_unshared --variant z0_unshared]
@@ -93,7 +94,7 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
         lap("optimizer")
         return {"seconds": {k: round(v, 3) for k, v in seconds.items()}, "step_s": round(sum(seconds.values()), 3),
                 "tokens": sum(len(r) for r in rows), "computed_tokens": sum(mb.tokens for p in plan for mb in p),
-                "micro_batches": len(micro)}
+                "trained_tokens": trained, "micro_batches": len(micro)}
 
     step(examples[rows_per_step:2 * rows_per_step])  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -101,11 +102,13 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
     split: dict[str, float] = {}
     for event in prof.key_averages():
         split[category(event.key)] = split.get(category(event.key), 0.0) + event.self_cpu_time_total / 1e6
-    matmul_flops = 6 * params * timed["computed_tokens"]  # the linear layers' FLOPs, forward and backward
+    head = model.get_output_embeddings().weight.numel()  # the LM head runs on the trained tokens only
+    body = params - model.get_input_embeddings().weight.numel() - (head if not model.config.tie_word_embeddings else 0)
+    matmul_flops = 6 * (body * timed["computed_tokens"] + head * timed["trained_tokens"])  # forward and backward
     return {**timed, "profile_s": {k: round(v, 3) for k, v in sorted(split.items())},
             "parameters": params,
             "matmul_gflops_in_step": round(matmul_flops / split.get("matmul", float("inf")) / 1e9, 1),
-            "flops_per_s": matmul_flops / timed["step_s"]}
+            "flops_per_s": 6 * params * timed["computed_tokens"] / timed["step_s"]}
 
 
 def run_child(spec: dict) -> dict:
