@@ -18,10 +18,11 @@ Prints one JSON object: per variant the phases' seconds, the profile's split, th
 hold and the tokens computed, the rate of the linear layers' matmuls inside the step (their FLOPs:
 6 x the weights of the layers x the tokens they see, the LM head on the trained tokens only, over
 the profile's matmul time), MFU (6 x parameters x computed tokens / step time, over the run's
-matmul peak in that precision, as `bench_sft.py`) and the peak RSS. A profile, not a benchmark of `make bench`: its figures are in docs/results.md.
+matmul peak in that precision, as `bench_sft.py`) and the peak RSS. A profile beside the
+benchmarks, not one of `make bench`: its figures are in docs/results.md.
 
-    python bench/profile_sft_step.py [--model smollm2-135m] [--rows-per-step 2] [--dtype float32 --dtype bfloat16]
-                                   [--variant z2_shared --variant z2_unshared --variant z0_unshared]
+    python bench/profile_sft_step.py [--model smollm2-135m] [--rows-per-step 2]
+        [--dtype float32 --dtype bfloat16] [--variant z2_shared --variant z2_unshared --variant z0_unshared]
 """
 
 from __future__ import annotations
