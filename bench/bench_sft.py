@@ -11,9 +11,10 @@ timed. Prints one JSON object:
   torch; of TRL as it sets itself up (`trl_defaults`: the step's rows in one batch padded to the
   longest, gradient checkpointing on, TRL's default) and tuned like spa (`trl_tuned`: one row a
   forward, no padding, no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
-* the same in bf16 (`spa_bf16`: `model.dtype=bfloat16`, fp32 weights under bf16 autocast;
-  `trl_tuned_bf16`: TRL's `bf16=True`, the same autocast), which is much faster on CPUs with
-  native bf16 matmul (measured when `model.dtype: auto` picks bf16 on this CPU, or with --bf16);
+* the same in bf16 (`*_bf16`, every trainer but plain torch and TRL's defaults: spa with
+  `model.dtype=bfloat16`, fp32 weights under bf16 autocast; TRL with `bf16=True`, the same
+  autocast), which is much faster on CPUs with native bf16 matmul (measured when `model.dtype:
+  auto` picks bf16 on this CPU, or with --bf16);
 * spa with its rows' common prefixes computed once (`sft.share_prefix`, the default) and without
   (`spa_unshared`), and the same on SPA's one-row-per-turn data (`spa_turns`, `spa_turns_unshared`,
   `trl_tuned_turns`), with tokens counted as the rows' tokens for every trainer (spa with sharing
@@ -274,14 +275,13 @@ def main() -> None:
         "spa_turns_unshared": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "share": False,
                                        **turns}),
     }
-    if bf16:
-        trainers["spa_bf16"] = ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "bf16": True, **rows})
     if not args.skip_trl:
         trainers["trl_defaults"] = ("trl", {"defaults": True, **rows})
         trainers["trl_tuned"] = ("trl", {"defaults": False, **rows})
         trainers["trl_tuned_turns"] = ("trl", {"defaults": False, **turns})
-        if bf16:
-            trainers["trl_tuned_bf16"] = ("trl", {"defaults": False, "bf16": True, **rows})
+    if bf16:  # the same comparisons in bf16 (TRL as it sets itself up aside)
+        trainers |= {f"{name}_bf16": (kind, {**options, "bf16": True}) for name, (kind, options) in trainers.items()
+                     if name not in ("spa_plain_torch", "trl_defaults")}
     if args.only:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - set(trainers))
@@ -321,7 +321,7 @@ def main() -> None:
         result[name] = {**run, "mfu": mfu(name, run)}
     for name in runs:
         if name.startswith("trl"):
-            ours = "spa_bf16" if name.endswith("bf16") else "spa_turns" if name.endswith("turns") else "spa"
+            ours = name.replace("trl_tuned", "spa").replace("trl_defaults", "spa")  # same rows, same precision
             if ours in runs:
                 result[f"ratio_vs_{name}"] = round(runs[ours]["tokens_per_s"] / runs[name]["tokens_per_s"], 3)
     if rss:

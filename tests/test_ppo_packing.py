@@ -110,12 +110,16 @@ def outputs_and_grads(attend, inputs, weights):
     return out, torch.autograd.grad((out * weights).sum(), inputs)
 
 
-def test_tree_attention_equals_sdpa_under_the_dense_tree_mask():
-    """Node by node (grouped heads: 6 query heads on 2 key/value heads) gives the outputs and input
-    gradients of transformers' SDPA under the tree's dense mask."""
+@pytest.mark.parametrize("query_block", [prefix_tree.QUERY_BLOCK, 5])
+def test_tree_attention_equals_sdpa_under_the_dense_tree_mask(query_block):
+    """Node by node (grouped heads: 6 query heads on 2 key/value heads), a node's queries in one
+    call or in blocks of 5 (nodes of 5 to 18 tokens: whole, cut and partial blocks), gives the
+    outputs and input gradients of transformers' SDPA under the tree's dense mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layout = collate(micro_batches(two_groups(vocab=50), 4096, share=True)[0], "cpu", PAD)["layout"]
+    nodes = collate(micro_batches(two_groups(vocab=50), 4096, share=True)[0], "cpu", PAD)["layout"].nodes
+    layout = prefix_tree.TreeLayout(nodes, query_block=query_block)
+    assert any(end - start > query_block and parent >= 0 for start, end, parent in nodes) or query_block > 5
     inputs, weights = attention_inputs(layout.length)
     module = torch.nn.Module().train()
     module.num_key_value_groups, module.is_causal = 3, True

@@ -11,9 +11,12 @@ its row's earlier tokens: its own node's earlier tokens and every token of the n
 A model fed the packed sequence with that attention gives every row the outputs (and, by the
 chain rule, the gradients) of the row alone, and computes each shared token once.
 
-`tree_attention` computes that attention without ever forming a masked block: per node one SDPA
-call of the node's queries over [ancestors..., node] under a causal offset mask (exact; on a CPU
-each call is a large matmul). On CUDA, where many small nodes would mean many small kernels, it
+`tree_attention` computes that attention node by node with SDPA: a root causally over itself; any
+other node's queries over [ancestors..., node], seeing the ancestors in full and the node causally.
+SDPA computes every block of a mask it is given, so a node's queries go in blocks of
+`TreeLayout.query_block`, each over the keys up to its own last query: the key blocks past the
+diagonal, empty under the causal mask, are never computed (the cost of the tree's attention is
+then within one block's width of the causal half it needs, as for unpacked rows). On CUDA, where many small nodes would mean many small kernels, it
 is one compiled FlexAttention call with a block mask built from the tree (`TreeLayout.mask_mod`:
 the key's node is an ancestor-or-self of the query's node, and the key does not come after the
 query), which skips the blocks the mask empties.
@@ -24,6 +27,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
+
+#: Queries per SDPA call of a node with ancestors (`TreeLayout.query_block`): on a CPU a call of
+#: 256 queries is still a large matmul, and the masked keys it computes are half a block per query.
+QUERY_BLOCK = 256
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -100,12 +107,14 @@ class TreeLayout:
     """The attention structure of one packed sequence, on `device`, built once per micro-batch and
     read by every layer: per node its range, the packed indices of its ancestors' tokens
     (``context``) and its causal offset mask; for FlexAttention the node of each token and which
-    nodes are ancestors-or-self of which."""
+    nodes are ancestors-or-self of which. `query_block`: how many of a node's queries go in one SDPA
+    call (see the module docstring; smaller blocks skip more of the masked keys, at one call each)."""
 
-    def __init__(self, nodes: Sequence[tuple[int, int, int]], device="cpu"):
+    def __init__(self, nodes: Sequence[tuple[int, int, int]], device="cpu", query_block: int = QUERY_BLOCK):
         import torch
 
         self.nodes = list(nodes)
+        self.query_block = query_block
         self.length = self.nodes[-1][1] if self.nodes else 0
         self.contexts: list = []
         self.masks: list = []
@@ -191,11 +200,18 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
     blocks = []
     for (start, end, _), context, mask in zip(layout.nodes, layout.contexts, layout.masks, strict=True):
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if context is not None:
-            k = torch.cat([key.index_select(2, context), k], dim=2)
-            v = torch.cat([value.index_select(2, context), v], dim=2)
-        blocks.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                     is_causal=mask is None, scale=scaling, enable_gqa=gqa))
+        if context is None:
+            blocks.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                                         enable_gqa=gqa))
+            continue
+        k = torch.cat([key.index_select(2, context), k], dim=2)
+        v = torch.cat([value.index_select(2, context), v], dim=2)
+        for first in range(0, end - start, layout.query_block):
+            last = min(first + layout.query_block, end - start)
+            seen = len(context) + last  # the keys up to the block's last query
+            blocks.append(F.scaled_dot_product_attention(
+                q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask[first:last, :seen],
+                dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
 
