@@ -54,10 +54,10 @@ class NaiveGenerateBackend:
     def generate(self, requests, params, progress=None):
         import torch
 
-        from stages.agent.backends.base import Completion
+        from stages.agent.backends.base import Completion, all_singles
 
         completions = []
-        for request in [single for request in requests for single in request.singles()]:
+        for request in all_singles(requests):
             prompt = torch.tensor([request.prompt_ids])
             with torch.inference_mode():
                 out = self.model.generate(

@@ -12,6 +12,7 @@ from helpers import lively_model
 
 import envs
 from stages.agent.backends import GenerationRequest, SamplingParams, make_backend
+from stages.agent.backends.base import all_singles
 from stages.agent.backends.hf import HFBackend
 from stages.agent.backends.random import RandomBackend
 from stages.common.config import ModelConfig, SPAConfig
@@ -114,7 +115,7 @@ def test_an_n_request_is_its_singles_prefilled_once_and_each_sample_plays_on(mod
     puzzles = [instruction + [1000 + g] + random_ids(rng, 19) for g in range(2)]
     requests = [GenerationRequest("a0", puzzles[0], more_keys=("a1", "a2")),
                 GenerationRequest("b0", puzzles[1], more_keys=("b1",))]
-    singles = [single for request in requests for single in request.singles()]
+    singles = all_singles(requests)
     assert [(r.key, r.prompt_ids) for r in singles] == [(k, puzzles[k[0] == "b"])
                                                          for k in ("a0", "a1", "a2", "b0", "b1")]
     assert [r.seed for r in singles] == [0, 1, 2, 0, 1] and not any(r.more_keys for r in singles)

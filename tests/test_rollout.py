@@ -12,7 +12,7 @@ import envs
 from envs.base import TextGameEnv
 from envs.registry import EnvSpec
 from stages.agent import prompts
-from stages.agent.backends.base import Completion
+from stages.agent.backends.base import Completion, all_singles
 from stages.agent.episode import Episode
 from stages.agent.proxy import RolloutMeter, play
 from stages.agent.states import StateReward
@@ -113,7 +113,7 @@ class ScriptedBackend:
         self.params.append(params)
         self.keys.append([request.keys for request in requests])
         out = []
-        for request in [single for request in requests for single in request.singles()]:
+        for request in all_singles(requests):
             turn = sum(1 for key, _ in self.prompts if key == request.key) + 1
             self.prompts[(request.key, turn)] = list(request.prompt_ids)
             self.seeds[(request.key, turn)] = request.seed

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from stages.agent.backends import GenerationRequest, SamplingParams, make_backend
+from stages.agent.backends.base import all_singles
 from stages.agent.backends.hf import HFBackend
 from stages.agent.proxy import play
 from stages.common.config import ModelConfig, load_config
@@ -140,7 +141,7 @@ def test_each_turn_extends_the_last_prompt_with_the_sampled_tokens(engine, token
 
         def generate(self, requests, params, progress=None):
             completions = engine.generate(requests, params, progress)
-            singles = [single for request in requests for single in request.singles()]
+            singles = all_singles(requests)
             calls.append({r.key: (r.prompt_ids, c) for r, c in zip(singles, completions)})
             return completions
 
@@ -191,7 +192,7 @@ class Singles:
     def generate(self, requests, params, progress=None):
         self.calls.append([r.keys for r in requests])
         if self.split:
-            requests = [single for request in requests for single in request.singles()]
+            requests = all_singles(requests)
         return self.engine.generate(requests, params, progress)
 
     def release(self, keys):

@@ -58,6 +58,11 @@ class GenerationRequest:
                 for i, key in enumerate(self.keys)]
 
 
+def all_singles(requests: list[GenerationRequest]) -> list[GenerationRequest]:
+    """Every request of a call as one request per episode, in order (`GenerationRequest.singles`)."""
+    return [single for request in requests for single in request.singles()]
+
+
 @dataclass
 class Completion:
     token_ids: list[int]  # sampled tokens, up to and including the stop string or EOS

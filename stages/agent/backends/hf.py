@@ -61,6 +61,7 @@ from stages.agent.backends.base import (
     GenerationRequest,
     OnProgress,
     SamplingParams,
+    all_singles,
     end_token_ids,
 )
 from stages.common.errors import UserError
@@ -212,7 +213,7 @@ class HFBackend:
         """One completion per key of each request; `progress` hears of every decode step's tokens
         and of each completion as it finishes. An n-request is its singles: their one prompt is
         prefilled once and its KV gathered into each of their rows (`_share_prompts`)."""
-        requests = [single for request in requests for single in request.singles()]
+        requests = all_singles(requests)
         if not requests:
             return []
         keys = [r.key for r in requests]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import random
 
-from stages.agent.backends.base import Completion, GenerationRequest, OnProgress, SamplingParams
+from stages.agent.backends.base import Completion, GenerationRequest, OnProgress, SamplingParams, all_singles
 from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
 
@@ -57,7 +57,7 @@ class RandomBackend:
 
     def generate(self, requests: list[GenerationRequest], params: SamplingParams,
                  progress: OnProgress | None = None) -> list[Completion]:
-        completions = [self._complete(single) for request in requests for single in request.singles()]
+        completions = [self._complete(single) for single in all_singles(requests)]
         if progress is not None:
             progress(0, len(completions))  # text, no tokens
         return completions

@@ -77,6 +77,7 @@ from stages.agent.backends.base import (
     GenerationRequest,
     OnProgress,
     SamplingParams,
+    all_singles,
     end_token_ids,
 )
 from stages.common.errors import UserError
@@ -308,7 +309,7 @@ class VLLMBackend:
         ``n``); vLLM's offline engine runs the batch to its end in one call, so `progress` hears
         of it all when the call returns."""
         if params.temperature <= 0:  # vLLM samples n > 1 only at a temperature; greedy, the n are equal
-            requests = [single for request in requests for single in request.singles()]
+            requests = all_singles(requests)
         if not requests:
             return []
         vllm = self._vllm
