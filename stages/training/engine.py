@@ -168,32 +168,30 @@ def release_freed_memory_to_os() -> None:
     resident. That lowers the peak, but every large tensor then costs fresh page faults, which
     slows training (docs/results.md), so only the low-memory mode (gradient checkpointing) pins it.
     A no-op where glibc is absent (macOS, musl)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "mallopt"):
-            libc.mallopt(-3, 128 * 1024)  # -3 is M_MMAP_THRESHOLD
-    except OSError:
-        pass
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 128 * 1024)  # -3 is M_MMAP_THRESHOLD
 
 
 def return_freed_memory() -> None:
     """Hand the heap's free pages back to the OS now (glibc's `malloc_trim`). Memory a pass freed
     otherwise stays resident, and whatever is allocated next (another network's pass, the next
     stage's model) comes on top of it instead of into it. A no-op where glibc is absent."""
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _glibc():
+    """The C library through ctypes, or None where it cannot be loaded."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
+        return ctypes.CDLL(name) if name else None
     except OSError:
-        pass
+        return None
 
 
 def _quiet_deepspeed() -> None:
