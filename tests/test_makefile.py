@@ -36,8 +36,15 @@ def checkout(tmp_path):
     return tmp_path
 
 
+def make(where: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`make ARGS` in `where`, as a user runs it: not as a sub-make of `make test`, whose MAKEFLAGS
+    and MAKELEVEL would add "Entering directory" lines and pass its own flags down."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    return subprocess.run(["make", *args], cwd=where, env=env, capture_output=True, text=True, check=check)
+
+
 def dry_run(where: Path, *args: str) -> str:
-    done = subprocess.run(["make", "-n", *args], cwd=where, capture_output=True, text=True, check=True)
+    done = make(where, "-n", *args)
     return done.stdout
 
 
@@ -91,7 +98,7 @@ def test_game_and_dtype_reach_the_pipeline(checkout, args, expected):
 
 def test_an_unknown_game_stops_with_one_line(checkout):
     stamp(checkout, ".installed-demo")
-    done = subprocess.run(["make", "demo", "GAME=chess"], check=False, cwd=checkout, capture_output=True, text=True)
+    done = make(checkout, "demo", "GAME=chess", check=False)
     assert done.returncode == 2
     assert done.stdout.strip() == ("error: no configs/demo_chess.yaml for GAME=chess; run: make demo (FrozenLake) "
                                    "or make demo GAME=sokoban")
