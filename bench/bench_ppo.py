@@ -7,9 +7,14 @@ one-off costs (DeepSpeed and allocator warm-up) and is left out of the figures, 
 medians over the rest. Variants (`ppo.*` settings):
 
 * ``unpacked``: every episode its own sequence in the actor, critic and reference passes, old
-  log-probs from a trainer pass (`ppo.share_prefix: false`);
-* ``packed``: a micro-batch's episodes in one sequence laid out as a prefix tree, the instruction
-  they all share and each group's first prompt computed once (`ppo.share_prefix`, the default);
+  log-probs and values from no-grad passes before the update (`ppo.share_prefix: false`,
+  `ppo.score_in_update: false`);
+* ``packed_scoring_passes``: a micro-batch's episodes in one sequence laid out as a prefix tree, the
+  instruction they all share and each group's first prompt computed once (`ppo.share_prefix`), with
+  the no-grad scoring passes;
+* ``packed``: the defaults: packed, and the old log-probs and values taken from the update's own
+  forward passes (`ppo.score_in_update`: one epoch over one mini-batch, as here), so no scoring
+  passes; the same algorithm (separate critic, no shared trunk);
 * ``packed_sampler_logprobs``: packed, and the old log-probs taken from the sampler
   (`ppo.old_logprobs=sampler`; fp32 only);
 * ``packed_lora``: packed, LoRA adapters (rank 16) on actor and critic instead of full
@@ -26,7 +31,9 @@ Each variant runs in a fresh interpreter, one after another, so a crash costs on
 
 Every variant plays the same rollouts at step 1 (same seeds, same weights: LoRA adapters start at
 zero and a value head at zero, shared or not), so its step-1 losses must equal the first
-variant's: their largest relative difference is reported (`step1_max_rel_diff`).
+variant's: their largest difference is reported (`step1_max_rel_diff`), relative to the figure,
+or to 1 for pg_loss (a mean of whitened advantages times ratios near 1: its scale is 1, its
+value near 0).
 ``update_tokens_per_s`` counts the kept episodes' tokens once per PPO epoch over the whole update
 phase (a forward and backward pass of the actor AND of the critic, plus both optimizer steps; one
 pass of one network with a shared critic); with a separate critic it compares with `spa sft`'s
@@ -48,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PHASES = ("rollout", "old_logprobs", "values", "update")
 LORA = ["ppo.lora_rank=16", "ppo.lora_alpha=32"]
 VARIANTS = {
-    "unpacked": ["ppo.share_prefix=false"],
+    "unpacked": ["ppo.share_prefix=false", "ppo.score_in_update=false"],
+    "packed_scoring_passes": ["ppo.share_prefix=true", "ppo.score_in_update=false"],
     "packed": ["ppo.share_prefix=true"],
     "packed_sampler_logprobs": ["ppo.share_prefix=true", "ppo.old_logprobs=sampler"],
     "packed_lora": ["ppo.share_prefix=true", *LORA],
@@ -62,6 +70,8 @@ OTHER_SAMPLER = ("packed_vllm",)
 #: log-probs the first mini-batch's KL is ~0 by construction, with the sampler's it is their
 #: ~3e-6 difference, so its ratio says nothing; it is reported as is (``step1_ppo_kl``).
 COMPARED = ("pg_loss", "value_loss", "entropy")
+#: Of COMPARED, those compared relative to 1 rather than to themselves (see the module docstring).
+DIFFERENCE_FIGURES = ("pg_loss",)
 
 
 def measure(args: argparse.Namespace, dtype: str, variant: list[str]) -> tuple[dict, dict]:
@@ -162,7 +172,8 @@ def main() -> None:
             if name in OTHER_SAMPLER:
                 continue
             figures["step1_max_rel_diff"] = max(
-                abs(first_rows[name][key] - first_rows[base][key]) / max(abs(first_rows[base][key]), 1e-12)
+                abs(first_rows[name][key] - first_rows[base][key])
+                / (1.0 if key in DIFFERENCE_FIGURES else max(abs(first_rows[base][key]), 1e-12))
                 for key in COMPARED)
         result[resolved] = runs | {name: {"error": message} for name, message in failed.items()}
     print(json.dumps(result))

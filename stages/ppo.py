@@ -17,14 +17,18 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
    ``ppo.kl_coef > 0``) and of the critic over the kept episodes (one pass for both with a
    shared critic; none for the log-probs with ``ppo.old_logprobs: sampler``). The mean
    |logp_trainer - logp_sampler| over sampled tokens is logged every step (``logp_diff``): it shows
-   that the rollouts ran the current weights (it jumps when a weight sync fails).
+   that the rollouts ran the current weights (it jumps when a weight sync fails). With one PPO epoch
+   over one mini-batch (``ppo.score_in_update``, a separate critic or none) there are no such passes:
+   the update's first forward of each network is taken before that network's only step, so its
+   log-probs and values are the old ones (the ratio is exactly 1), two forward passes saved.
 4. **Advantages**: token-level GAE (gamma = lambda = 1 by default, so A_t = R - V_t) whitened over
    the batch; or the bi-level (turn-level) GAE; or GRPO's group-normalised score, without a critic.
 5. **Update**: ``ppo.ppo_epochs`` passes over mini-batches of ``ppo.mini_batch`` episodes, in
    order, one optimizer step per mini-batch for actor and critic (`stages.training.trainable`:
    DeepSpeed ZeRO, or plain torch with ``zero_stage: 0``; AdamW, constant lr, gradient clipping):
-   the actor's micro-batches and step, then the critic's, so that only one network holds
-   gradients at a time. Micro-batches
+   the critic's micro-batches and step, then the actor's, so that only one network holds
+   gradients at a time (and, when the update scores, the advantages are known before the actor's
+   loss). Micro-batches
    hold at most ``ppo.micro_batch_tokens`` padded tokens and accumulate gradients; every loss is
    the ``ppo.loss_agg`` aggregate of the whole mini-batch (`stages.training.loss_agg`: a token
    mean by default), so the micro-batching never changes the objective.
@@ -129,6 +133,8 @@ from stages.training.ppo_samples import (
     Sample,
     collate,
     compute_advantages,
+    compute_returns,
+    fill_scores,
     flat,
     padded,
     rank_micro_batches,
@@ -149,7 +155,7 @@ ADAM_BETAS = (0.9, 0.999)
 STATE_REWARD_METRICS = ("state_reward", "state_reward_observation", "state_reward_prediction")
 #: Settings that may differ between a run and its --resume without changing what is computed.
 RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
-               "gradient_checkpointing", "share_prefix", "deepspeed_config"}
+               "gradient_checkpointing", "share_prefix", "score_in_update", "deepspeed_config"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -329,14 +335,18 @@ class NonFiniteLoss(UserError):
 
 
 def update(models: Models, samples: list[Sample], shares: list[list[list[int]]], config: SPAConfig,
-           step: int) -> dict[str, float]:
+           step: int, in_update: bool = False) -> dict[str, float]:
     """``ppo_epochs`` passes of mini-batch updates (``shares``: each mini-batch's part per rank, from
     `rank_shares`); returns token-weighted means of the loss terms over all ranks and the mean
-    gradient norms."""
+    gradient norms. With ``in_update`` (`scores_in_update`) the critic's forward passes give the
+    values, then the advantages are computed, then the actor's give the old log-probs (unless the
+    sampler's are used): the scores a separate pass would give, as neither network has stepped."""
     ppo, dist = config.ppo, models.dist
     pad_id = models.tokenizer.pad_token_id
-    engines = {"actor": models.actor_engine, "critic": models.critic_engine}
+    # the critic first: with in_update the advantages need its values
+    engines = {"critic": models.critic_engine, "actor": models.actor_engine}
     engines = {name: engine for name, engine in engines.items() if engine is not None}
+    old_in_update = in_update and not _old_from_sampler(samples, ppo)
     for engine in engines.values():
         engine.module.train()
     totals: dict[str, float] = {}
@@ -355,16 +365,22 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
             # one network at a time, stepped before the next one's backward: its gradients are freed
             # by then, so the two networks' gradients never exist together (the losses are independent)
             for name, engine in engines.items():
+                if name == "actor" and in_update:
+                    _exchange(samples, parts, ["values"] if models.critic_engine else [], dist)
+                    compute_advantages(samples, ppo)
                 backward = _actor_backward if name == "actor" else _critic_backward
+                scoring = in_update if name == "critic" else old_in_update
                 for index, (_, weight) in enumerate(micros):
                     micro = micro_samples[index]
                     terms = backward(models, batches[index], micro, weight, micro_weights[index],
-                                     index == len(micros) - 1, config, step)
+                                     index == len(micros) - 1, config, step, scoring)
                     for key, value in terms.items():  # micro means, weighted by their tokens
                         totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
                 norms[name].append(_step(engine, name, step))
                 if dist.device == "cpu":  # the pass's freed activations, before the other network's
                     eng.return_freed_memory()
+            if old_in_update:  # every rank's, for the logged logp_diff
+                _exchange(samples, parts, ["old_logprobs"], dist)
     keys = sorted(totals)
     summed = dict(zip(keys, distributed.all_reduce_sum([totals[k] for k in keys], dist), strict=True))
     seen = ppo.ppo_epochs * sum(s.steps for s in samples)
@@ -373,11 +389,14 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
 
 
 def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: float, weights: torch.Tensor,
-                    last: bool, config: SPAConfig, step: int) -> dict[str, float]:
+                    last: bool, config: SPAConfig, step: int, scoring: bool) -> dict[str, float]:
     """The policy loss of a micro-batch (+ the value loss with a shared critic), backpropagated;
-    ``weights``: each step's weight in the mini-batch's aggregate (`stages.training.loss_agg`)."""
+    ``weights``: each step's weight in the mini-batch's aggregate (`stages.training.loss_agg`);
+    ``scoring``: this forward's log-probs are the old ones too."""
     ppo, device = config.ppo, models.dist.device
     logprobs, entropy, values = models.actor_engine(**batch, with_entropy=True, with_values=models.shared_critic)
+    if scoring:
+        fill_scores([micro], ("old_logprobs",), logprobs)
     pg_loss, stats = algos.policy_loss(logprobs, flat(micro, "old_logprobs", device), flat(micro, "advantages", device),
                                        torch.ones_like(logprobs), ppo.clip_low, ppo.clip_high, ppo.dual_clip,
                                        weights=weights)
@@ -397,9 +416,14 @@ def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: fl
 
 
 def _critic_backward(models: Models, batch: dict, micro: list[Sample], weight: float, weights: torch.Tensor,
-                     last: bool, config: SPAConfig, step: int) -> dict[str, float]:
+                     last: bool, config: SPAConfig, step: int, scoring: bool) -> dict[str, float]:
+    """The value loss of a micro-batch, backpropagated; ``scoring``: this forward's values are the
+    old ones too, and the returns are computed from them."""
     engine = models.critic_engine
     values = engine(**batch)
+    if scoring:
+        fill_scores([micro], ("values",), values)
+        compute_returns(micro, config.ppo)
     loss, terms = _value_loss(values, micro, weights, config, models.dist.device)
     _check_finite(loss, "value loss", step, config, models.dist)
     engine.backward(loss * weight, last)
@@ -482,10 +506,17 @@ def keep_groups(episodes: list[Any], filter_ratio: float, dist: Dist) -> tuple[l
     return figures, [e for part in distributed.all_gather(mine, dist) for e in part]
 
 
+def scores_in_update(models: Models, samples: list[Sample], shares: list[list[list[int]]], ppo: PPOConfig) -> bool:
+    """Whether the update's forward passes give the old log-probs and values (``ppo.score_in_update``):
+    one epoch over one mini-batch, so each network's first forward is before its only step; not with
+    a shared critic, whose one pass gives both but the advantages must precede its loss."""
+    return ppo.score_in_update and ppo.ppo_epochs == 1 and len(shares) == 1 and not models.shared_critic
+
+
 def score_samples(models: Models, samples: list[Sample], shares: list[list[list[int]]], config: SPAConfig,
-                  timer: _Timer) -> None:
+                  timer: _Timer, in_update: bool = False) -> None:
     """Old log-probs (and reference log-probs, values) of every sample: each rank scores its parts,
-    then every rank gets every score."""
+    then every rank gets every score; with ``in_update`` only the reference's (the update gives the rest)."""
     ppo, dist = config.ppo, models.dist
     device, pad_id = dist.device, models.tokenizer.pad_token_id
     parts = [[samples[i] for mini in shares for i in mini[rank]] for rank in range(dist.world)]
@@ -497,7 +528,7 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
         if from_sampler:
             for sample in samples:  # every rank has every sample's: nothing to exchange
                 sample.old_logprobs = sample.sampler_logprobs
-        elif not models.shared_critic:  # (a shared critic's pass below gives them with the values)
+        elif not models.shared_critic and not in_update:  # (a shared critic's pass below gives them)
             fields.append("old_logprobs")
             score(models.actor_engine, micros, ("old_logprobs",), device, pad_id)
         if models.reference is not None:
@@ -509,7 +540,7 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
             scored = (None if from_sampler else "old_logprobs", None, "values")  # (log-probs, entropies, values)
             fields += [field for field in scored if field]
             score(models.actor_engine, micros, scored, device, pad_id, with_values=True)
-        elif models.critic_engine is not None:
+        elif models.critic_engine is not None and not in_update:
             fields.append("values")
             models.critic_engine.module.eval()
             score(models.critic_engine, micros, ("values",), device, pad_id)
@@ -680,16 +711,20 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 system_length = system_prompt_length(tokenizer, kept[0].token_ids)
             samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
             shares = rank_shares(samples, ppo.mini_batch, dist.world)
-            # 3. log-probs and values before the update (each rank its part, then all of them)
+            in_update = scores_in_update(models, samples, shares, ppo)
+            # 3. log-probs and values before the update (each rank its part, then all of them), unless
+            # the update's own forward passes give them
             bar.update(step - 1, f"step {step}: update on {len(samples)} episodes")
-            score_samples(models, samples, shares, config, timer)
-            # 4. advantages of the whole batch; 5. update (a vLLM engine on a GPU sleeps meanwhile,
-            # leaving its memory to training), then hand the new weights to the rollout engine, which wakes it
-            compute_advantages(samples, ppo)
+            score_samples(models, samples, shares, config, timer, in_update)
+            # 4. advantages of the whole batch (in the update when it scores); 5. update (a vLLM engine on
+            # a GPU sleeps meanwhile, leaving its memory to training), then hand the new weights to the
+            # rollout engine, which wakes it
+            if not in_update:
+                compute_advantages(samples, ppo)
             with timer("update"):
                 if config.rollout.backend == "vllm":
                     backend.sleep()
-                train_stats = update(models, samples, shares, config, step)
+                train_stats = update(models, samples, shares, config, step, in_update=in_update)
                 push_weights(models, backend, config)
 
             row = {"step": step, "seed_counter": seed_counter,

@@ -55,6 +55,15 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return model_dir(tiny_model(tokenizer), tokenizer, tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="session")
+def answering_dir(tokenizer, tmp_path_factory):
+    """`helpers.answering_model` saved as a Hugging Face directory: a tiny model whose FrozenLake
+    episodes earn different scores."""
+    from helpers import answering_model, model_dir
+
+    return model_dir(answering_model(tokenizer), tokenizer, tmp_path_factory.mktemp("answering-model"))
+
+
 def pytest_terminal_summary(terminalreporter):
     """How many bad-input cases and fuzz inputs the run tried, and the figures tests measured (tests
     record them as properties, which reach the controller under xdist too)."""

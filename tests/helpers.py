@@ -147,3 +147,13 @@ def aggregate_by_definition(mode: str, losses: list, budget: int):
     per_sequence = {"seq-mean-token-mean": lambda loss: loss.mean(), "seq-mean-token-sum": lambda loss: loss.sum(),
                     "seq-mean-token-sum-norm": lambda loss: loss.sum() / budget}[mode]
     return torch.stack([per_sequence(loss) for loss in losses]).mean()
+
+
+def assert_same_weights(after: dict, expected: dict, before: dict, tolerance: float) -> None:
+    """The update `after - before` equals `expected - before` up to `tolerance` of its norm. Adam
+    divides each gradient element by its own running magnitude, so one element whose gradient is
+    rounding noise moves by up to a whole step either way; the update as a whole moves as its
+    gradient does."""
+    difference = sum(float((after[key].double() - expected[key].double()).square().sum()) for key in expected)
+    update = sum(float((expected[key].double() - before[key].double()).square().sum()) for key in expected)
+    assert update > 0 and difference <= tolerance**2 * update, (difference**0.5 / update**0.5, tolerance)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import aggregate_by_definition
+from helpers import aggregate_by_definition, assert_same_weights
 from safetensors.torch import load_file
 
 from stages.common import distributed
@@ -57,7 +57,7 @@ DIFFERENCE_FIGURES = ("pg_loss", "clip_frac", "ppo_kl", "vf_clip_frac", "logp_di
 UNIT_ROUNDOFF = 2.0**-24
 
 
-def summation_tolerance(reference: dict, step: int) -> float:
+def summation_tolerance(reference: dict, step: int, mini_batch: int = MINI_BATCH) -> float:
     """The relative difference that another order of float32 sums may make in `step`'s figures.
 
     A sum of n terms computed in two orders differs by at most about n * u times the sum of the
@@ -65,28 +65,18 @@ def summation_tolerance(reference: dict, step: int) -> float:
     mean sequence length. Each step adds its own rounding to what the previous one left in the
     weights, which a model kept sane by a small learning rate carries on without amplifying it:
     `step` steps, `step` times the bound."""
-    tokens = MINI_BATCH * reference[step]["sequence_length"]
+    tokens = mini_batch * reference[step]["sequence_length"]
     return step * tokens * UNIT_ROUNDOFF
 
 
-def assert_same_update(row: dict, reference: dict, step: int) -> None:
+def assert_same_update(row: dict, reference: dict, step: int, mini_batch: int = MINI_BATCH) -> None:
     """`row`'s update figures equal the reference's up to `summation_tolerance`, taken relative to
     the figure (or, for DIFFERENCE_FIGURES, to 1)."""
-    tolerance = summation_tolerance(reference, step)
+    tolerance = summation_tolerance(reference, step, mini_batch)
     for field in UPDATE_FIGURES:
         expected = reference[step][field]
         scale = 1.0 if field in DIFFERENCE_FIGURES else abs(expected)
         assert abs(row[field] - expected) <= tolerance * scale, (step, field, row[field], expected, tolerance)
-
-
-def assert_same_weights(after: dict, expected: dict, before: dict, tolerance: float) -> None:
-    """The update `after - before` equals `expected - before` up to `tolerance` of its norm. Adam
-    divides each gradient element by its own running magnitude, so one element whose gradient is
-    rounding noise moves by up to a whole step either way; the update as a whole moves as its
-    gradient does."""
-    difference = sum(float((after[key].double() - expected[key].double()).square().sum()) for key in expected)
-    update = sum(float((expected[key].double() - before[key].double()).square().sum()) for key in expected)
-    assert update > 0 and difference <= tolerance**2 * update, (difference**0.5 / update**0.5, tolerance)
 
 
 def sets(settings: list[str]) -> list[str]:
@@ -116,13 +106,6 @@ def metric_rows(out: Path) -> dict[int, dict]:
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def answering_dir(tokenizer, tmp_path_factory) -> Path:
-    from helpers import answering_model, model_dir
-
-    return model_dir(answering_model(tokenizer), tokenizer, tmp_path_factory.mktemp("answering-model"))
 
 
 def ppo_args(model: Path, out: Path, steps: int, *extra: str) -> list[str]:
@@ -263,6 +246,27 @@ def test_two_ranks_keep_the_same_groups_and_make_the_same_update_as_one(one_rank
     for step in (0, 1):  # validation split over the ranks: the same report
         reports = [json.loads((run / "val" / f"step-{step}.json").read_text()) for run in (one_rank, two_ranks)]
         assert reports[0]["metrics"] == reports[1]["metrics"]
+
+
+def test_two_ranks_scoring_in_the_update_make_the_update_of_separate_scoring_passes(answering_dir, one_rank,
+                                                                                      tmp_path):
+    """All 8 kept episodes in one mini-batch: over two ranks each rank's update forward passes give
+    its part's values and old log-probs, exchanged before the advantages are whitened over the batch;
+    the update equals one process's that scores in separate passes first."""
+    runs = {}
+    for ranks, in_update in ((2, True), (1, False)):
+        runs[ranks] = tmp_path / f"ranks-{ranks}"
+        completed(spa(ppo_args(answering_dir, runs[ranks], 1, "ppo.mini_batch=8", "ppo.val_every=0",
+                               f"ppo.score_in_update={str(in_update).lower()}"), tmp_path, ranks=ranks))
+    two, one = metric_rows(runs[2]), metric_rows(runs[1])
+    for field in EPISODE_FIGURES:
+        if field in one[1]:
+            assert two[1][field] == one[1][field] == metric_rows(one_rank)[1][field], field
+    assert two[1]["ppo_kl"] == 0.0  # the old log-probs are the update's own
+    assert_same_update(two[1], one, 1, mini_batch=8)
+    before = weights(Path(json.loads((runs[1] / "manifest.json").read_text())["config"]["model"]["name"]))
+    assert_same_weights(weights(runs[2] / "final"), weights(runs[1] / "final"), before,
+                        summation_tolerance(one, 1, mini_batch=8))
 
 
 def test_a_killed_rank_ends_the_run_and_the_same_command_continues_it(answering_dir, two_ranks, tmp_path):

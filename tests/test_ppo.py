@@ -11,7 +11,8 @@ from typing import ClassVar
 
 import pytest
 import torch
-from helpers import live_modules
+from helpers import assert_same_weights, live_modules
+from safetensors.torch import load_file
 
 from envs import TextGameEnv
 from envs.registry import SPECS, EnvSpec
@@ -398,7 +399,7 @@ def test_a_finished_run_leaves_no_model_behind(tiny_model_dir, tmp_path):
     assert live_modules() == before
 
 
-def test_the_actor_steps_before_the_critics_backward_so_their_gradients_never_coexist(
+def test_the_critic_steps_before_the_actors_backward_so_their_gradients_never_coexist(
         tiny_model_dir, tmp_path, monkeypatch):
     seen = []
     real_critic_backward, real_actor_backward = ppo._critic_backward, ppo._actor_backward
@@ -423,7 +424,43 @@ def test_the_actor_steps_before_the_critics_backward_so_their_gradients_never_co
                         "ppo.mini_batch=4", "ppo.micro_batch_tokens=64", "ppo.share_prefix=false"))
     micros = len(seen) // 2 - 1
     assert micros >= 2
-    assert seen == [("actor", 0)] * micros + [("trim", 0)] + [("critic", 0)] * micros + [("trim", 0)]
+    assert seen == [("critic", 0)] * micros + [("trim", 0)] + [("actor", 0)] * micros + [("trim", 0)]
+
+
+def test_scoring_in_the_update_makes_the_steps_of_separate_scoring_passes(answering_dir, tmp_path, monkeypatch):
+    """One epoch over one mini-batch: the update's own forward passes give the values and the old
+    log-probs (no pass before it), and two steps (the second with a trained critic) make the updates
+    that separate no-grad passes make. The runs may compute the same numbers in other orders (a
+    kernel with and without autograd), so a figure may move by the rounding of a float32 sum over a
+    step's tokens, n x 2^-24 of it, per step; the weights' update by that share of its norm."""
+    rows, weights, passes = {}, {}, []
+    real_score = ppo.score
+    monkeypatch.setattr(ppo, "score", lambda forward, micros, fields, *args, **kwargs: (
+        passes.append((in_update, fields)), real_score(forward, micros, fields, *args, **kwargs)))
+    for in_update in (True, False):
+        out = tmp_path / f"in-update-{in_update}"
+        ppo.run(load_config(None, [
+            f"model.name={answering_dir}", f"ppo.out={out}", "quiet=true", "env.name=frozen_lake",
+            "rollout.max_turns=1", "rollout.max_new_tokens=16", "rollout.groups=8", "rollout.group_size=2",
+            "ppo.filter_ratio=0.5", "ppo.mini_batch=8", "ppo.steps=2", "ppo.actor_lr=1e-5", "ppo.critic_lr=1e-3",
+            "ppo.val_every=0", "ppo.zero_stage=0", f"ppo.score_in_update={in_update}"]))
+        rows[in_update] = read_metrics(out)
+        weights[in_update] = load_file(out / "final" / "model.safetensors")
+    for step, (fused, separate) in enumerate(zip(rows[True], rows[False], strict=True), start=1):
+        assert fused["ppo_kl"] == 0.0 and fused["clip_frac"] == 0.0  # the old log-probs ARE this forward's
+        assert fused["kept_seeds"] == separate["kept_seeds"] and fused["reward"] == separate["reward"]
+        tolerance = step * fused["kept_episodes"] * fused["sequence_length"] * 2.0**-24
+        for field in ("pg_loss", "value_loss", "entropy", "actor_grad_norm", "critic_grad_norm", "logp_diff",
+                      "value_mean", "explained_variance"):
+            if separate[field] is None:  # no spread of returns to explain
+                assert fused[field] is None, (step, field)
+                continue
+            scale = 1.0 if field in ("pg_loss", "logp_diff") else abs(separate[field])  # means of differences
+            assert abs(fused[field] - separate[field]) <= tolerance * scale, (step, field, fused[field], separate[field])
+    assert passes == [(False, ("old_logprobs",)), (False, ("values",))] * 2  # none when the update scores
+    assert rows[False][0]["value_mean"] == 0.0 != rows[False][1]["value_mean"]  # step 2 scores a trained critic
+    assert rows[False][0]["explained_variance"] is not None  # step 1 kept groups whose rewards differ
+    assert_same_weights(weights[True], weights[False], load_file(answering_dir / "model.safetensors"), tolerance)
 
 
 @pytest.mark.parametrize("advantage, zero_stage", [("grpo", 0), ("bilevel_gae", 2)])

@@ -395,6 +395,13 @@ class PPOConfig(TrainingConfig):
         'Where the old log-probs of the ratio come from: "trainer" (a no-grad pass of the actor; the '
         'logged logp_diff shows sampler and trainer agree) or "sampler" (the rollout\'s own, which saves '
         "that pass; fp32 only, with top_p 1 and the assistant loss mask, where they agree)."), paper="trainer")
+    score_in_update: bool = setting(True, help=(
+        "With one PPO epoch over one mini-batch (ppo.mini_batch = the episodes kept per step) and a separate "
+        "or no critic, take the old log-probs and the critic's values from the update's own forward passes "
+        "instead of separate no-grad passes: before the step's only optimizer step the networks are the old "
+        "ones, so the algorithm is the same (the ratio is exactly 1) for two forward passes less. The critic "
+        "then trains before the actor, since the advantages need its values. false: separate passes, "
+        "for comparison."))
     critic: Literal["separate", "shared"] = setting("separate", help=(
         '"separate": the critic is its own copy of the network with a value head (SPA); "shared": the value '
         "head sits on the actor's last hidden state, one forward and backward serves both losses (pg_loss + "

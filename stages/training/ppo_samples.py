@@ -278,11 +278,21 @@ def compute_advantages(samples: list[Sample], ppo: PPOConfig) -> None:
         groups = torch.tensor([s.group for s in samples])
         unpad(samples, "advantages", algos.group_advantages(scores, groups)[:, None] * mask)
         return
-    values = padded(samples, "values")
-    if ppo.advantage == "gae":
-        advantages, returns = algos.masked_gae(padded(samples, "rewards"), values, mask, ppo.gamma, ppo.lam)
-    else:
-        advantages, returns = algos.bilevel_gae(padded(samples, "turn_rewards"), values, mask,
-                                                padded(samples, "turn_ends"), ppo.gamma, ppo.lam, ppo.turn_gamma)
+    advantages, returns = _gae(samples, ppo)
     unpad(samples, "advantages", algos.masked_whiten(advantages, mask))
     unpad(samples, "returns", returns)
+
+
+def compute_returns(samples: list[Sample], ppo: PPOConfig) -> None:
+    """The critic's targets of `samples` alone, equal to `compute_advantages`'s over any batch that
+    holds them (an episode's GAE reads only its own steps; only the advantages' whitening is
+    batch-wide)."""
+    unpad(samples, "returns", _gae(samples, ppo)[1])
+
+
+def _gae(samples: list[Sample], ppo: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    values, mask = padded(samples, "values"), step_mask(samples)
+    if ppo.advantage == "gae":
+        return algos.masked_gae(padded(samples, "rewards"), values, mask, ppo.gamma, ppo.lam)
+    return algos.bilevel_gae(padded(samples, "turn_rewards"), values, mask, padded(samples, "turn_ends"),
+                             ppo.gamma, ppo.lam, ppo.turn_gamma)
