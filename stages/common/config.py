@@ -399,9 +399,9 @@ class PPOConfig(TrainingConfig):
         "With one PPO epoch over one mini-batch (ppo.mini_batch = the episodes kept per step) and a separate "
         "or no critic, take the old log-probs and the critic's values from the update's own forward passes "
         "instead of separate no-grad passes: before the step's only optimizer step the networks are the old "
-        "ones, so the algorithm is the same (the ratio is exactly 1) for two forward passes less. The critic "
-        "then trains before the actor, since the advantages need its values. false: separate passes, "
-        "for comparison."))
+        "ones, so the algorithm is the same (the ratio is exactly 1) for two forward passes less (the critic steps "
+        "before the actor in every update, so its values are there for the advantages). false: separate "
+        "passes, for comparison."))
     critic: Literal["separate", "shared"] = setting("separate", help=(
         '"separate": the critic is its own copy of the network with a value head (SPA); "shared": the value '
         "head sits on the actor's last hidden state, one forward and backward serves both losses (pg_loss + "
