@@ -366,7 +366,8 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
             # by then, so the two networks' gradients never exist together (the losses are independent)
             for name, engine in engines.items():
                 if name == "actor" and in_update:
-                    _exchange(samples, parts, ["values"] if models.critic_engine else [], dist)
+                    if models.critic_engine is not None:  # GRPO's advantages need no values
+                        _exchange(samples, parts, ["values"], dist)
                     compute_advantages(samples, ppo)
                 backward = _actor_backward if name == "actor" else _critic_backward
                 scoring = in_update if name == "critic" else old_in_update
