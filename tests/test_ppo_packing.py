@@ -83,6 +83,10 @@ def test_pack_lays_out_a_prefix_tree():
                                    [0, 0, 0, 0, 0, 0, 0, 1, 1]]
     twins = prefix_tree.pack([[4, 5, 6], [4, 5, 6]])  # identical rows share every token
     assert twins.ids == [4, 5, 6] and twins.where == [[0, 1, 2], [0, 1, 2]]
+    layout = prefix_tree.TreeLayout(packed.nodes)  # what `tree_attention` splits the sequence by
+    assert layout.sizes == [3, 1, 1, 1, 1, 2] and layout.ancestors == [[], [0], [0, 1], [0, 1], [0], []]
+    with pytest.raises(ValueError, match="tile the sequence"):  # a gap: the split would misplace nodes
+        prefix_tree.TreeLayout([(0, 3, -1), (4, 5, 0)])
 
 
 def test_micro_batches_share_within_the_token_budget():

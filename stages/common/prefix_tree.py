@@ -105,41 +105,42 @@ def _place(rows: list[list[int]], members: list[int], depth: int, parent: int, o
 
 class TreeLayout:
     """The attention structure of one packed sequence, on `device`, built once per micro-batch and
-    read by every layer: per node its range, the packed indices of its ancestors' tokens
-    (``context``) and its causal offset mask; for FlexAttention the node of each token and which
-    nodes are ancestors-or-self of which. `query_block`: how many of a node's queries go in one SDPA
-    call (see the module docstring; smaller blocks skip more of the masked keys, at one call each)."""
+    read by every layer: per node its size, its ancestors (root first) and its causal offset mask;
+    for FlexAttention the node of each token and which nodes are ancestors-or-self of which.
+    `query_block`: how many of a node's queries go in one SDPA call (see the module docstring;
+    smaller blocks skip more of the masked keys, at one call each)."""
 
     def __init__(self, nodes: Sequence[tuple[int, int, int]], device="cpu", query_block: int = QUERY_BLOCK):
         import torch
 
         self.nodes = list(nodes)
+        if [start for start, _, _ in self.nodes] != [0] + [end for _, end, _ in self.nodes[:-1]]:
+            raise ValueError("a TreeLayout's nodes must tile the sequence in order (as `pack` lays them out)")
         self.query_block = query_block
         self.length = self.nodes[-1][1] if self.nodes else 0
-        self.contexts: list = []
+        self.sizes = [end - start for start, end, _ in self.nodes]
+        self.ancestors: list[list[int]] = []
         self.masks: list = []
         for start, end, parent in self.nodes:
-            ancestors = self.ranges(parent)
-            if not ancestors:
-                self.contexts.append(None)
-                self.masks.append(None)
-                continue
-            index = torch.cat([torch.arange(a, b) for a, b in ancestors])
-            self.contexts.append(index.to(device))
-            own = end - start
-            self.masks.append(torch.ones(own, len(index) + own, dtype=torch.bool, device=device)
-                              .tril(diagonal=len(index)))
+            chain = self.chain(parent)
+            self.ancestors.append(chain)
+            context, own = sum(self.sizes[a] for a in chain), end - start
+            self.masks.append(torch.ones(own, context + own, dtype=torch.bool, device=device)
+                              .tril(diagonal=context) if chain else None)
         self.device = device
         self._block_mask = None
 
-    def ranges(self, node: int) -> list[tuple[int, int]]:
-        """The token ranges of `node` and its ancestors, root first (none for -1)."""
+    def chain(self, node: int) -> list[int]:
+        """`node` and its ancestors, root first (none for -1)."""
         out = []
         while node >= 0:
-            start, end, parent = self.nodes[node]
-            out.append((start, end))
-            node = parent
+            out.append(node)
+            node = self.nodes[node][2]
         return out[::-1]
+
+    def ranges(self, node: int) -> list[tuple[int, int]]:
+        """The token ranges of `node` and its ancestors, root first (none for -1)."""
+        return [self.nodes[n][:2] for n in self.chain(node)]
 
     def dense_mask(self):
         """``[T, T]`` bool, True where the query (row) may attend to the key (column)."""
@@ -197,20 +198,24 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
         out = _flex(query.is_cuda)(query, key, value, block_mask=layout.block_mask(), scale=scaling,
                                    enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
+    # Node slices by `split` (and ancestors joined by `cat`), not by indexing: the backward of a
+    # split is one concatenation, where every slice of the whole sequence would add a zero-filled
+    # gradient of the whole sequence per node and query block.
+    queries, keys, values = (x.split(layout.sizes, dim=2) for x in (query, key, value))
     blocks = []
-    for (start, end, _), context, mask in zip(layout.nodes, layout.contexts, layout.masks, strict=True):
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if context is None:
+    for node, (ancestors, mask) in enumerate(zip(layout.ancestors, layout.masks, strict=True)):
+        q, k, v = queries[node], keys[node], values[node]
+        if not ancestors:
             blocks.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                          enable_gqa=gqa))
             continue
-        k = torch.cat([key.index_select(2, context), k], dim=2)
-        v = torch.cat([value.index_select(2, context), v], dim=2)
-        for first in range(0, end - start, layout.query_block):
-            last = min(first + layout.query_block, end - start)
-            seen = len(context) + last  # the keys up to the block's last query
+        k = torch.cat([keys[a] for a in ancestors] + [k], dim=2)
+        v = torch.cat([values[a] for a in ancestors] + [v], dim=2)
+        context = k.shape[2] - q.shape[2]
+        for first, q_block in zip(range(0, q.shape[2], layout.query_block), q.split(layout.query_block, dim=2)):
+            seen = context + first + q_block.shape[2]  # the keys up to the block's last query
             blocks.append(F.scaled_dot_product_attention(
-                q[:, :, first:last], k[:, :, :seen], v[:, :, :seen], attn_mask=mask[first:last, :seen],
+                q_block, k[:, :, :seen], v[:, :, :seen], attn_mask=mask[first:first + q_block.shape[2], :seen],
                 dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
