@@ -192,13 +192,17 @@ def user_errors(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from stages.common import distributed
+
         try:
-            return _reporting_errors(command, args, kwargs)
+            result = _reporting_errors(command, args, kwargs)
         except KeyboardInterrupt:
             # Ctrl-C, or a launcher's SIGTERM (`distributed._stop_on_sigterm`), which can also land
             # while an error below is being reported (a rank that lost its peer is stopped by the
             # launcher at that moment): either way the stage can be resumed, and says so
             _stop_resumably("interrupted", kwargs)
+        distributed.close()
+        return result
 
     return wrapper
 

@@ -108,6 +108,28 @@ def test_an_interrupt_ends_with_the_resume_hint_even_while_an_error_is_reported(
     assert capsys.readouterr().err.strip() == "interrupted; run the same command again with --resume to resume"
 
 
+def test_a_launched_rank_closes_its_process_group_after_a_stage_that_succeeded(monkeypatch):
+    """Left to the interpreter's exit, gloo's threads can abort a rank that finished first; a
+    stage that succeeded closes the group itself (and only in a launched run of several ranks)."""
+    import torch
+
+    from spa_cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert main.user_errors(lambda: "done")() == "done"
+        assert not torch.distributed.is_initialized()
+        monkeypatch.setenv("WORLD_SIZE", "1")  # one process keeps its group for the next stage
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        main.user_errors(lambda: None)()
+        assert torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def test_envs_lists_the_games(monkeypatch):
     from spa_cli import main
 

@@ -164,6 +164,16 @@ def start(device: str, config: dict[str, Any], need_group: bool = False) -> Dist
     return Dist(rank, world, local_rank, device)
 
 
+def close() -> None:
+    """Close a launched run's process group once this rank's stage has succeeded: gloo's worker
+    threads then stop while the interpreter is whole. Left to the interpreter's exit, they can abort
+    a rank that finished first (SIGABRT, "terminate called without an active exception")."""
+    torch = sys.modules.get("torch")
+    if launched_world() > 1 and torch is not None and torch.distributed.is_available() \
+            and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _rendezvous(rank: int, world: int, config: dict[str, Any]):
     """Check in at the run's TCP store, wait for every rank, and compare configs (module docstring)."""
     import torch
