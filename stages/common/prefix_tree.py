@@ -114,7 +114,7 @@ class TreeLayout:
         import torch
 
         self.nodes = list(nodes)
-        if [start for start, _, _ in self.nodes] != [0] + [end for _, end, _ in self.nodes[:-1]]:
+        if [start for start, _, _ in self.nodes] != [0, *(end for _, end, _ in self.nodes)][:-1]:
             raise ValueError("a TreeLayout's nodes must tile the sequence in order (as `pack` lays them out)")
         self.query_block = query_block
         self.length = self.nodes[-1][1] if self.nodes else 0
@@ -138,17 +138,14 @@ class TreeLayout:
             node = self.nodes[node][2]
         return out[::-1]
 
-    def ranges(self, node: int) -> list[tuple[int, int]]:
-        """The token ranges of `node` and its ancestors, root first (none for -1)."""
-        return [self.nodes[n][:2] for n in self.chain(node)]
-
     def dense_mask(self):
         """``[T, T]`` bool, True where the query (row) may attend to the key (column)."""
         import torch
 
         mask = torch.zeros(self.length, self.length, dtype=torch.bool)
-        for node, (start, end, parent) in enumerate(self.nodes):
-            for a, b in self.ranges(parent):
+        for node, (start, end, _) in enumerate(self.nodes):
+            for ancestor in self.ancestors[node]:
+                a, b, _ = self.nodes[ancestor]
                 mask[start:end, a:b] = True
             mask[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
         return mask.to(self.device)
