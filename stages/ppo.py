@@ -507,7 +507,7 @@ def keep_groups(episodes: list[Any], filter_ratio: float, dist: Dist) -> tuple[l
     return figures, [e for part in distributed.all_gather(mine, dist) for e in part]
 
 
-def scores_in_update(models: Models, samples: list[Sample], shares: list[list[list[int]]], ppo: PPOConfig) -> bool:
+def scores_in_update(models: Models, shares: list[list[list[int]]], ppo: PPOConfig) -> bool:
     """Whether the update's forward passes give the old log-probs and values (``ppo.score_in_update``):
     one epoch over one mini-batch, so each network's first forward is before its only step; not with
     a shared critic, whose one pass gives both but the advantages must precede its loss."""
@@ -712,7 +712,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 system_length = system_prompt_length(tokenizer, kept[0].token_ids)
             samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
             shares = rank_shares(samples, ppo.mini_batch, dist.world)
-            in_update = scores_in_update(models, samples, shares, ppo)
+            in_update = scores_in_update(models, shares, ppo)
             # 3. log-probs and values before the update (each rank its part, then all of them), unless
             # the update's own forward passes give them
             bar.update(step - 1, f"step {step}: update on {len(samples)} episodes")
