@@ -42,7 +42,7 @@ those positions only, so prompt and environment tokens cost no vocabulary projec
 **Several processes** (``torchrun --nproc_per_node N -m spa_cli ppo ...``, ``deepspeed --num_gpus N
 --no_local_rank --module spa_cli ppo ...``, and their multi-node options) make one data-parallel
 run; ``rollout.groups`` and ``ppo.mini_batch`` must split evenly over the N ranks, and a
-launcher needs ZeRO (``ppo.zero_stage`` 1-3). In each step:
+launcher needs ZeRO (``ppo.zero_stage`` 1-3, or ``auto``: 2). In each step:
 
 * rank r plays its contiguous block of groups (``groups / N``, a group never split) on its own
   rollout engine, on its own GPU; ranks play the same episodes a single process would with vLLM,
@@ -659,6 +659,7 @@ def load_checkpoint(run_dir: RunDir, models: Models) -> torch.Tensor:
 
 def run(config: SPAConfig) -> dict[str, Any]:
     """Train ``config.model.name`` with PPO on ``config.env.name``; returns a summary of the run."""
+    config = trainable.with_engine_stage(config, "ppo")
     world = distributed.launched_world()
     check_config(config, world)
     check_backend(config.model, config.rollout)  # vLLM installed, the model's architecture, the memory

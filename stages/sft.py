@@ -21,8 +21,8 @@ as `val_loss` is. At each epoch's end: validation loss, an HF checkpoint
 (0.9, 0.95), wd 0.01, 10% warmup, clip 1.0, 16 rows a step, 5 epochs, 2048 tokens with left
 truncation, seed 1).
 
-The model and its engine come from `stages.training.trainable` (DeepSpeed ZeRO-2 by default, on
-CUDA and on the CPU; `zero_stage: 0` is plain torch in one process; LoRA when `lora_rank > 0`,
+The model and its engine come from `stages.training.trainable` (`zero_stage: auto`: DeepSpeed
+ZeRO-2 on CUDA and over several processes, plain torch for one CPU process; LoRA when `lora_rank > 0`,
 saved merged so checkpoints load as plain models); the run directory is
 `stages.training.checkpoints.RunDir`.
 
@@ -74,6 +74,7 @@ RESUME_FREE = {"out", "resume", "val_data", "save_every_steps", "stop_after_step
 
 def run(config: SPAConfig, dry_run: bool = False) -> dict:
     """Train (or, with `dry_run`, only write the first rows' tokens and masks). Returns a summary."""
+    config = trainable.with_engine_stage(config, "sft")
     cfg, console = config.sft, Console(config.quiet)
     tracking.check(config.tracking)
     if not dry_run:

@@ -71,6 +71,19 @@ def test_sft_and_ppo_declare_their_training_settings_once():
     assert load_config(None, ["sft.offload=true", "ppo.zero_stage=3"]).ppo.zero_stage == 3
 
 
+@pytest.mark.parametrize("setting, on_cuda, processes, trained", [
+    ("auto", False, 1, 0),  # one CPU process: nothing to shard, plain torch
+    ("auto", False, 2, 2),  # a launcher's ranks on the CPU
+    ("auto", True, 1, 2),  # a GPU: DeepSpeed's bf16 mode
+    ("auto", True, 8, 2),
+    (3, False, 1, 3),  # a stage that is asked for is trained as asked
+    (0, True, 1, 0),
+])
+def test_zero_stage_auto_is_plain_torch_only_for_one_cpu_process(setting, on_cuda, processes, trained):
+    section = load_config(None, [f"sft.zero_stage={setting}"]).sft
+    assert section.engine_stage(on_cuda=on_cuda, processes=processes) == trained
+
+
 @pytest.mark.parametrize("hint, bounds, type_text, accepted", [
     ("int", {"ge": 1}, "integer", ">= 1"),
     ("float | None", {"gt": 0, "le": 1}, "number or null", "> 0 and <= 1"),

@@ -249,6 +249,28 @@ def test_offload_and_a_deepspeed_config_reach_both_training_engines(tiny_model_d
     assert "plain torch (offload has no effect on a CPU run) on cpu" in capsys.readouterr().out
 
 
+def test_the_default_engine_of_one_cpu_process_is_plain_torch_and_the_run_records_it(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch):
+    """`ppo.zero_stage: auto` trains one CPU process with plain torch (ZeRO has no other rank to shard
+    over); the run's manifest names the engine it trained with, and a launcher's ranks get ZeRO-2."""
+    from stages.training import trainable
+
+    seen, make_engine = [], trainable.make_engine
+
+    def spy(module, dist, mixed, zero_stage, optim, offload=False, deepspeed_config=""):
+        seen.append(zero_stage)
+        return make_engine(module, dist, mixed, zero_stage, optim, offload, deepspeed_config)
+
+    monkeypatch.setattr(trainable, "make_engine", spy)
+    config = tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "rollout.max_turns=1")
+    assert config.ppo.zero_stage == "auto"
+    ppo.run(config)
+    assert seen == [0, 0]  # actor and critic
+    assert json.loads((tmp_path / "run" / "manifest.json").read_text())["config"]["ppo"]["zero_stage"] == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert trainable.with_engine_stage(config, "ppo").ppo.zero_stage == 2
+
+
 def test_the_last_step_validates_off_the_val_every_grid(tiny_model_dir, tmp_path):
     """With val_every > 0 the last step validates whether or not it falls on the grid (verl's
     behaviour); the steps off the grid before it do not."""
@@ -383,8 +405,10 @@ def test_resume_before_the_first_checkpoint_starts_afresh(tiny_model_dir, tmp_pa
     (out / ".trainer_state.tmp" / "actor").mkdir(parents=True)  # a save killed half-way
     config = tiny_config(tiny_model_dir, out, "ppo.resume=true", "ppo.steps=1")
     from stages.common import runs
+    from stages.training import trainable
 
-    runs.record(out, "ppo", {}, ppo.settings(config))  # what the killed run had recorded at its start
+    # what the killed run had recorded at its start (the engine it trained with)
+    runs.record(out, "ppo", {}, ppo.settings(trainable.with_engine_stage(config, "ppo")))
     ppo.run(config)
     assert [row["step"] for row in read_metrics(out)] == [1]
     assert read_metrics(out)[0]["reward"] != 5.0

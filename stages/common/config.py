@@ -247,10 +247,13 @@ class TrainingConfig(_Section):
     """The training settings `spa sft` and `spa ppo` share (the engine, memory, LoRA,
     regularisation, seed, resuming), declared once and set as `sft.<key>` and `ppo.<key>`."""
 
-    zero_stage: Literal[0, 1, 2, 3] = setting(2, help=(
+    zero_stage: Literal["auto", 0, 1, 2, 3] = setting("auto", help=(
         "0: plain torch in one process, no DeepSpeed; 1-3: DeepSpeed ZeRO (CPU or CUDA; launchers need it). "
         "Higher stages shard more over the processes (1: optimizer state, 2: and gradients, 3: and weights) "
-        "and so fit larger models, for more communication."), paper="FSDP full sharding (ZeRO-3's equivalent)")
+        "and so fit larger models, for more communication. auto: 2 on CUDA or under a launcher of several "
+        "processes, 0 for one process on the CPU, where ZeRO has no other process to shard over and its "
+        "bookkeeping only costs time (docs/results.md, PPO steps)."),
+        paper="FSDP full sharding (ZeRO-3's equivalent)")
     deepspeed_config: str = setting("", help=(
         "Your own DeepSpeed JSON instead of configs/deepspeed/zero{2,3}.json, for DeepSpeed options spa does "
         'not set ("auto" values are filled in from these settings).'))
@@ -288,6 +291,13 @@ class TrainingConfig(_Section):
         "the row order."), paper="1")
     resume: bool = setting(False, help=(
         "Continue the run already in `out` (same settings only); without it a non-empty `out` is refused."))
+
+    def engine_stage(self, on_cuda: bool, processes: int) -> int:
+        """`zero_stage` as trained: "auto" is ZeRO-2 on CUDA or over several processes, plain torch (0)
+        for one process on the CPU."""
+        if self.zero_stage != "auto":
+            return self.zero_stage
+        return 2 if on_cuda or processes > 1 else 0
 
 
 @dataclass

@@ -261,7 +261,8 @@ def _update_phases(states: Holding, acts: int, beside: int) -> dict[str, int]:
 
 def _sft(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
     s, w = config.sft, _weight_bytes(config)
-    zero = _zero(s.zero_stage, s.offload, s.grad_clip, s.deepspeed_config, plan.gpus, w)
+    zero = _zero(s.engine_stage(on_cuda=True, processes=plan.gpus), s.offload, s.grad_clip, s.deepspeed_config,
+                 plan.gpus, w)
     trained, frozen = (s.lora_rank * shape.lora_dims, shape.params) if s.lora_rank else (shape.params, 0)
     states = model_states(trained, plan.gpus, zero, w, frozen, shape.largest_module_params)
     tokens = s.max_length if s.packing is False else max(s.max_length, s.micro_batch_tokens)
@@ -274,7 +275,8 @@ def _sft(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
 
 def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
     p, w = config.ppo, _weight_bytes(config)
-    zero = _zero(p.zero_stage, p.offload, p.grad_clip, "", plan.gpus, w)
+    stage = p.engine_stage(on_cuda=True, processes=plan.gpus)
+    zero = _zero(stage, p.offload, p.grad_clip, "", plan.gpus, w)
     with_critic = p.advantage != "grpo"
     shared = with_critic and p.critic == "shared"
     value_head = shape.hidden + 1
@@ -299,7 +301,7 @@ def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
         copies += master * shape.params
         models.append("reference")
     backend = config.rollout.backend
-    if (p.zero_stage == 3 and (backend == "hf" or config.eval.state_ppl)) or \
+    if (stage == 3 and (backend == "hf" or config.eval.state_ppl)) or \
             (zero is None and w == 2 and backend == "hf" and not p.lora_rank):
         copies += 2 * shape.params  # the unsharded (or bf16) copy the hf backend plays with
         models.append("generator copy")
@@ -328,7 +330,7 @@ def _candidates(kind: str, config: SPAConfig, shape: ModelShape, capacity: int) 
     found: list[tuple[str, Any]] = []
     if kind in ("sft", "ppo"):
         section = getattr(config, kind)
-        if not section.offload and section.zero_stage > 0:
+        if not section.offload and section.engine_stage(on_cuda=True, processes=1) > 0:
             found.append((f"{kind}.offload", True))
         if not section.gradient_checkpointing:
             found.append((f"{kind}.gradient_checkpointing", True))

@@ -1,5 +1,6 @@
 """One setup of a trainable model and its engine, for `spa sft` and `spa ppo` alike.
 
+    config = with_engine_stage(config, "sft")  # zero_stage "auto" resolved for this machine and launch
     dist = start_processes(config.model, zero_stage, low_memory, to_dict(config))  # device, process group
     model, tokenizer, mixed = load_trainable(config.model, dist, ...)  # dtype, seed, checkpointing, LoRA
     engine = make_engine(model, dist, mixed, zero_stage, optim)         # DeepSpeed ZeRO or plain torch
@@ -12,16 +13,26 @@ float16 needs loss scaling, which only DeepSpeed on CUDA does, so elsewhere it i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from stages.common.distributed import Dist
+from stages.common.distributed import Dist, launched_world
 from stages.common.errors import UserError
 from stages.common.models import load_model, pick_device, pick_dtype
 from stages.training import engine as eng
 from stages.training.checkpoints import is_peft
 
 if TYPE_CHECKING:
-    from stages.common.config import ModelConfig, TrainingConfig
+    from stages.common.config import ModelConfig, SPAConfig, TrainingConfig
+
+
+def with_engine_stage(config: SPAConfig, stage: str) -> SPAConfig:
+    """`config` with ``<stage>.zero_stage`` as this launch trains it ("auto" resolved by
+    `TrainingConfig.engine_stage` for this device and the launcher's process count), so the run's
+    recorded settings, and a resume's check of them, name the engine."""
+    section = getattr(config, stage)
+    chosen = section.engine_stage(pick_device(config.model.device).startswith("cuda"), launched_world())
+    return dataclasses.replace(config, **{stage: dataclasses.replace(section, zero_stage=chosen)})
 
 
 def start_processes(model: ModelConfig, zero_stage: int, low_memory: bool = False,
