@@ -7,11 +7,11 @@ turns only; TRL gets the bundled ChatML template with `{% generation %}` tags, w
 same text), same optimizer settings and rows per optimizer step. Every trainer runs in its own subprocess; the first optimizer step is warm-up and is not
 timed. Prints one JSON object:
 
-* tokens/s of `spa sft` with its defaults (fp32, DeepSpeed ZeRO-2 on the CPU), and with plain
-  torch; of TRL as it sets itself up (`trl_defaults`: the step's rows in one batch padded to the
+* tokens/s of `spa sft` with its defaults (fp32; `sft.zero_stage: auto`, plain torch for one CPU
+  process), and with DeepSpeed ZeRO-2 (`spa_zero2`, the default under a launcher); of TRL as it sets itself up (`trl_defaults`: the step's rows in one batch padded to the
   longest, gradient checkpointing on, TRL's default) and tuned like spa (`trl_tuned`: one row a
   forward, no padding, no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
-* the same in bf16 (`*_bf16`, every trainer but plain torch and TRL's defaults: spa with
+* the same in bf16 (`*_bf16`, every trainer but ZeRO-2 and TRL's defaults: spa with
   `model.dtype=bfloat16`, fp32 weights under bf16 autocast; TRL with `bf16=True`, the same
   autocast), which is much faster on CPUs with native bf16 matmul (measured when `model.dtype:
   auto` picks bf16 on this CPU, or with --bf16);
@@ -131,7 +131,7 @@ def matmul_peak(dtype: str = "float32", size: int = 2048, reps: int = 6) -> floa
     return 2 * size**3 / best
 
 
-def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int, checkpointing: bool,
+def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int | str, checkpointing: bool,
               max_length: int, bf16: bool = False, share: bool = True) -> dict:
     from stages import sft
     from stages.common.config import load_config
@@ -268,11 +268,12 @@ def main() -> None:
     rows = {"data": str(data), "rows_per_step": args.rows_per_step}
     turns = {"data": str(turn_data), "rows_per_step": args.turn_rows_per_step}
     trainers = {
-        "spa": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, **rows}),  # the defaults
-        "spa_plain_torch": ("spa", {"stage": 0, "checkpointing": False, "max_length": 2048, **rows}),
-        "spa_turns": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, **turns}),
-        "spa_unshared": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "share": False, **rows}),
-        "spa_turns_unshared": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, "share": False,
+        "spa": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048, **rows}),  # the defaults
+        "spa_zero2": ("spa", {"stage": 2, "checkpointing": False, "max_length": 2048, **rows}),
+        "spa_turns": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048, **turns}),
+        "spa_unshared": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048, "share": False,
+                                 **rows}),
+        "spa_turns_unshared": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048, "share": False,
                                        **turns}),
     }
     if not args.skip_trl:
@@ -281,7 +282,7 @@ def main() -> None:
         trainers["trl_tuned_turns"] = ("trl", {"defaults": False, **turns})
     if bf16:  # the same comparisons in bf16 (TRL as it sets itself up aside)
         trainers |= {f"{name}_bf16": (kind, {**options, "bf16": True}) for name, (kind, options) in trainers.items()
-                     if name not in ("spa_plain_torch", "trl_defaults")}
+                     if name not in ("spa_zero2", "trl_defaults")}
     if args.only:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - set(trainers))
