@@ -15,6 +15,9 @@ medians over the rest. Variants (`ppo.*` settings):
 * ``packed``: the defaults: packed, and the old log-probs and values taken from the update's own
   forward passes (`ppo.score_in_update`: one epoch over one mini-batch, as here), so no scoring
   passes; the same algorithm (separate critic, no shared trunk);
+* ``packed_zero2``: packed, on DeepSpeed ZeRO-2 (`ppo.zero_stage=2`, what ``auto`` picks under a
+  launcher or on CUDA) instead of the engine ``auto`` picks for one CPU process (plain torch):
+  what ZeRO's bookkeeping costs a process that has nothing to shard;
 * ``packed_sampler_logprobs``: packed, and the old log-probs taken from the sampler
   (`ppo.old_logprobs=sampler`; fp32 only);
 * ``packed_lora``: packed, LoRA adapters (rank 16) on actor and critic instead of full
@@ -58,6 +61,7 @@ VARIANTS = {
     "unpacked": ["ppo.share_prefix=false", "ppo.score_in_update=false"],
     "packed_scoring_passes": ["ppo.share_prefix=true", "ppo.score_in_update=false"],
     "packed": ["ppo.share_prefix=true"],
+    "packed_zero2": ["ppo.share_prefix=true", "ppo.zero_stage=2"],
     "packed_sampler_logprobs": ["ppo.share_prefix=true", "ppo.old_logprobs=sampler"],
     "packed_lora": ["ppo.share_prefix=true", *LORA],
     "packed_shared_critic": ["ppo.share_prefix=true", "ppo.critic=shared"],
