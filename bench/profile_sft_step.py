@@ -13,7 +13,8 @@ first-use costs, Adam's state), then one step timed phase by phase and profiled 
 * ``other``: the rest (norms, activations, the loss, DeepSpeed's gradient hooks).
 
 Variants: precision (fp32; bf16 = fp32 weights under bf16 autocast) x engine (DeepSpeed ZeRO-2,
-the default, or plain torch, `sft.zero_stage=0`) x prefix sharing (`sft.share_prefix`).
+`sft.zero_stage=2`, or plain torch, `sft.zero_stage=0`, what ``auto`` picks for one CPU process) x
+prefix sharing (`sft.share_prefix`).
 Prints one JSON object: per variant the phases' seconds, the profile's split, the tokens the rows
 hold and the tokens computed, the rate of the linear layers' matmuls inside the step (their FLOPs:
 6 x the weights of the layers x the tokens they see, the LM head on the trained tokens only, over
