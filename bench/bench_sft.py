@@ -39,6 +39,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int |
         "sft.share_prefix": share, "quiet": True})
     sft.run(config)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out)  # its checkpoint and optimizer state: gigabytes a run, fifteen runs a benchmark
     timed = rows[1:] or rows
     return rates([(r["tokens"], r["seconds"]) for r in timed]) | {
         "loss_first_step": rows[0]["loss"],
@@ -302,6 +304,7 @@ def main() -> None:
         rss = run_child("spa", data=str(long), work=str(work), rows_per_step=1, steps=2, stage=2,
                         checkpointing=True, max_length=2048)
     peaks.append(run_child("peak"))
+    shutil.rmtree(work)
     peak = {"float32": max(p["flops"] for p in peaks), "bfloat16": max(p["flops_bf16"] for p in peaks)}
 
     def mfu(name: str, run: dict) -> float:  # FLOPs of the tokens computed (fewer than the rows hold when shared)
