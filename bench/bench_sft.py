@@ -8,9 +8,10 @@ same text), same optimizer settings and rows per optimizer step. Every trainer r
 timed. Prints one JSON object:
 
 * tokens/s of `spa sft` with its defaults (fp32; `sft.zero_stage: auto`, plain torch for one CPU
-  process), and with DeepSpeed ZeRO-2 (`spa_zero2`, the default under a launcher); of TRL as it sets itself up (`trl_defaults`: the step's rows in one batch padded to the
-  longest, gradient checkpointing on, TRL's default) and tuned like spa (`trl_tuned`: one row a
-  forward, no padding, no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
+  process), and with DeepSpeed ZeRO-2 (`spa_zero2`, the default under a launcher); of TRL as it
+  sets itself up (`trl_defaults`: the step's rows in one batch padded to the longest, gradient
+  checkpointing on, TRL's default) and tuned like spa (`trl_tuned`: one row a forward, no padding,
+  no checkpointing). Tokens counted are real tokens (TRL: `non_padding`);
 * the same in bf16 (`*_bf16`, every trainer but ZeRO-2 and TRL's defaults: spa with
   `model.dtype=bfloat16`, fp32 weights under bf16 autocast; TRL with `bf16=True`, the same
   autocast), which is much faster on CPUs with native bf16 matmul (measured when `model.dtype:

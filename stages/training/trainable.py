@@ -26,13 +26,13 @@ if TYPE_CHECKING:
     from stages.common.config import ModelConfig, SPAConfig, TrainingConfig
 
 
-def with_engine_stage(config: SPAConfig, stage: str) -> SPAConfig:
-    """`config` with ``<stage>.zero_stage`` as this launch trains it ("auto" resolved by
-    `TrainingConfig.engine_stage` for this device and the launcher's process count), so the run's
+def with_engine_stage(config: SPAConfig, kind: str) -> SPAConfig:
+    """`config` with ``<kind>.zero_stage`` ("sft" or "ppo") as this launch trains it ("auto" resolved
+    by `TrainingConfig.engine_stage` for this device and the launcher's process count), so the run's
     recorded settings, and a resume's check of them, name the engine."""
-    section = getattr(config, stage)
+    section = getattr(config, kind)
     chosen = section.engine_stage(pick_device(config.model.device).startswith("cuda"), launched_world())
-    return dataclasses.replace(config, **{stage: dataclasses.replace(section, zero_stage=chosen)})
+    return dataclasses.replace(config, **{kind: dataclasses.replace(section, zero_stage=chosen)})
 
 
 def start_processes(model: ModelConfig, zero_stage: int, low_memory: bool = False,
