@@ -62,7 +62,7 @@ from stages.common import artifacts
 from stages.common.config import SPAConfig
 from stages.common.console import Console, duration
 from stages.common.errors import UserError
-from stages.common.models import check_model_name
+from stages.common.models import check_model_name, kept_columns
 from stages.common.prefix_tree import common_prefix_len
 from stages.common.seeds import stable_seed
 
@@ -264,7 +264,7 @@ def model_likelihood(model: Any, tokenizer: Any) -> Likelihood:
             cache = copy.deepcopy(prefix)
             cache.batch_repeat_interleave(len(rows))
         logits = model(input_ids=ids.to(device), past_key_values=cache, use_cache=cache is not None,
-                       logits_to_keep=width - first).logits.float()
+                       logits_to_keep=kept_columns(first, width, device)).logits.float()
         sums = []
         for i, (context, target) in enumerate(rows):
             start = len(context) - 1 - first

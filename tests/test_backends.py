@@ -81,6 +81,23 @@ def test_multiturn_kv_reuse_matches_fresh_prefill(model, tokenizer, attention):
     assert stats["reused_tokens"] > 0.7 * stats["prompt_tokens"]
 
 
+def test_the_lm_head_gets_one_contiguous_column_per_row_in_prefill_and_decode(model, tokenizer):
+    """A strided ``hidden[:, -1:]`` would reach the head as a batched matmul against a copy of the
+    whole head per row (`stages.common.models.kept_columns`)."""
+    rng = random.Random(3)
+    requests = [GenerationRequest(f"e{i}", random_ids(rng, 20 + 3 * i)) for i in range(3)]
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+    try:
+        HFBackend(model, tokenizer, prefill_tokens=24).generate(requests, GREEDY)  # prefill in chunks
+    finally:
+        hook.remove()
+    hidden = model.config.hidden_size
+    assert len(seen) > GREEDY.max_new_tokens  # the prefill's chunks and every decode step
+    assert set(seen) <= {((rows, 1, hidden), True) for rows in (1, 2, 3)}
+
+
 def test_shared_prefix_is_prefilled_once(model, tokenizer):
     rng = random.Random(1)
     instruction = random_ids(rng, 80)

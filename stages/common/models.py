@@ -405,6 +405,17 @@ def load_model(config: ModelConfig, device: str | None = None, dtype: str | None
     return model.to(device), load_tokenizer(config.name, config.trust_remote_code)
 
 
+def kept_columns(first: int, width: int, device=None):
+    """``logits_to_keep`` for the columns ``[first, width)`` of a batch: an index tensor, not the
+    int ``width - first``. For an int, transformers slices ``hidden[:, -k:]``, which for several
+    rows is a non-contiguous view, and torch's CPU `linear` multiplies such a 3D view by the LM
+    head as a batched matmul against a copy of the whole head per row; an index gathers the
+    columns into a contiguous tensor, and the head is one plain matmul. Same logits."""
+    import torch
+
+    return torch.arange(first, width, device=device)
+
+
 def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
              packed_layout=None, **kwargs):
     """transformers' SDPA attention, computed node by node for a prefix-tree-packed sequence

@@ -65,6 +65,7 @@ from stages.agent.backends.base import (
     end_token_ids,
 )
 from stages.common.errors import UserError
+from stages.common.models import kept_columns
 from stages.common.prefix_tree import common_prefix_len
 
 FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # see HFBackend._native_gqa
@@ -386,7 +387,7 @@ class HFBackend:
                 hi = min(width, lo + step)
                 out = self.model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi],
                                  attention_mask=mask_dev[:, :past + hi], past_key_values=cache,
-                                 use_cache=True, logits_to_keep=1)
+                                 use_cache=True, logits_to_keep=kept_columns(hi - lo - 1, hi - lo, device))
                 logits = out.logits[:, -1]
         if keep_last:
             return cache, mask_dev, logits.float()
