@@ -257,7 +257,8 @@ def build_models(config: SPAConfig) -> Models:
     m, ppo = config.model, config.ppo
     resolve_model(m.name)  # a bad --model fails here, before DeepSpeed starts
     # not the low-memory allocator mode of gradient checkpointing (a mapping of its own for every
-    # large tensor): it slows every decoding step of the rollouts; `update` trims the heap instead
+    # large tensor): it slows every decoding step of the rollouts; with gradient checkpointing
+    # `update` trims the heap after each network's step instead
     dist = trainable.start_processes(m, ppo.zero_stage, config=to_dict(config))
     actor, tokenizer, mixed = trainable.load_trainable(m, dist, zero_stage=ppo.zero_stage, seed=ppo.seed,
                                                        gradient_checkpointing=ppo.gradient_checkpointing,
@@ -378,8 +379,8 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
                     for key, value in terms.items():  # micro means, weighted by their tokens
                         totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
                 norms[name].append(_step(engine, name, step))
-                if dist.device == "cpu":  # the pass's freed activations, before the other network's
-                    eng.return_freed_memory()
+                if dist.device == "cpu" and ppo.gradient_checkpointing:  # the low-memory mode: the pass's
+                    eng.return_freed_memory()  # freed activations go, at the cost of faulting them in again
             if old_in_update:  # every rank's, for the logged logp_diff
                 _exchange(samples, parts, ["old_logprobs"], dist)
     keys = sorted(totals)

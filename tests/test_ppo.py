@@ -423,8 +423,9 @@ def test_a_finished_run_leaves_no_model_behind(tiny_model_dir, tmp_path):
     assert live_modules() == before
 
 
+@pytest.mark.parametrize("low_memory", [True, False])
 def test_the_critic_steps_before_the_actors_backward_so_their_gradients_never_coexist(
-        tiny_model_dir, tmp_path, monkeypatch):
+        tiny_model_dir, tmp_path, monkeypatch, low_memory):
     seen = []
     real_critic_backward, real_actor_backward = ppo._critic_backward, ppo._actor_backward
 
@@ -441,14 +442,16 @@ def test_the_critic_steps_before_the_actors_backward_so_their_gradients_never_co
 
     monkeypatch.setattr(ppo, "_critic_backward", critic_backward)
     monkeypatch.setattr(ppo, "_actor_backward", actor_backward)
-    # and after each network's step, the heap's freed pages go back to the OS
+    # and in the low-memory mode, after each network's step, the heap's freed pages go back to the OS
     monkeypatch.setattr(ppo.eng, "return_freed_memory", lambda: seen.append(("trim", 0)))
     # one mini-batch of 4 episodes of about 40 tokens, in micro-batches of at most 64: several a network
     ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "ppo.zero_stage=0",
-                        "ppo.mini_batch=4", "ppo.micro_batch_tokens=64", "ppo.share_prefix=false"))
-    micros = len(seen) // 2 - 1
+                        "ppo.mini_batch=4", "ppo.micro_batch_tokens=64", "ppo.share_prefix=false",
+                        f"ppo.gradient_checkpointing={str(low_memory).lower()}"))
+    trim = [("trim", 0)] if low_memory else []
+    micros = (len(seen) - len(trim) * 2) // 2
     assert micros >= 2
-    assert seen == [("critic", 0)] * micros + [("trim", 0)] + [("actor", 0)] * micros + [("trim", 0)]
+    assert seen == [("critic", 0)] * micros + trim + [("actor", 0)] * micros + trim
 
 
 def test_scoring_in_the_update_makes_the_steps_of_separate_scoring_passes(answering_dir, tmp_path, monkeypatch):
