@@ -58,6 +58,28 @@ def test_no_lock_returns_at_once(extensions, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_cpu_adam_is_built_only_after_a_stale_lock_of_its_own_is_removed(tmp_path, monkeypatch, capsys):
+    """Optimizer offload builds DeepSpeed's CPU Adam on every rank at its first use: a lock a killed
+    build left in that op's build directory is removed before the build starts, not waited on."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as setup_distributed sets it: no accelerator probe warning
+    import deepspeed.ops.adam
+    import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(eng, "OP_BUILD_GRACE_S", 0.3)
+    lock = eng.op_build_dir(eng.CPU_ADAM_OP) / "lock"
+    assert lock.parent == tmp_path / "ext" / "cpu_adam"
+    lock.write_text("")
+    locked_at_build = []
+    monkeypatch.setattr(deepspeed.ops.adam, "DeepSpeedCPUAdam",
+                        lambda params, **_: locked_at_build.append(lock.exists()))
+    settings = eng.OptimSettings(1e-3, (0.9, 0.999), 0.0, 1.0, 10, 0.0)
+    eng._optimizer(torch.nn.Linear(2, 2), settings, "cuda", cpu_adam=True)
+    assert locked_at_build == [False]
+    assert capsys.readouterr().out == (f"removed {lock}: an interrupted DeepSpeed op build left it, and no "
+                                       "process is building\n")
+
+
 def test_deepspeed_starts_despite_a_planted_stale_lock(tmp_path):
     """The real start of DeepSpeed on the CPU, in a child process, with the op already built (make
     install builds it) and a stale lock planted in its build directory: it starts and says so."""

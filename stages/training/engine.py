@@ -30,7 +30,8 @@ Face directories).
 
 DeepSpeed builds its CPU communication op the first time it starts on a machine (minutes, JIT,
 under a lock file); `make install` builds it ahead (`build_deepspeed_ops`), and `setup_distributed`
-never waits on a lock silently (`wait_for_op_build`).
+never waits on a lock silently (`wait_for_op_build`). Its CPU Adam (optimizer offload, on every
+rank) is built the same way on first use, under the same guard.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def setup_distributed(device: str, use_deepspeed: bool, low_memory: bool = False
     return dist
 
 
-#: DeepSpeed's CPU communication op, built with torch's JIT extension loader.
+#: DeepSpeed's CPU communication op and its CPU Adam, built with torch's JIT extension loader.
 SHM_OP = "deepspeed_shm_comm"
+CPU_ADAM_OP = "cpu_adam"
 #: How long to wait for another process's build of it: several times what a first build takes on 2 cores.
 OP_BUILD_TIMEOUT_S = 900.0
 #: A lock that no live process is building under for this long was left by an interrupted build.
@@ -106,15 +108,16 @@ def build_deepspeed_ops() -> None:
     build_shm_op()
 
 
-def op_build_dir() -> Path:
-    """Where torch's extension loader builds DeepSpeed's CPU op ($TORCH_EXTENSIONS_DIR or the cache)."""
+def op_build_dir(op: str = SHM_OP) -> Path:
+    """Where torch's extension loader builds DeepSpeed's `op` ($TORCH_EXTENSIONS_DIR or the cache)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory(SHM_OP, verbose=False))
+    return Path(_get_build_directory(op, verbose=False))
 
 
-def wait_for_op_build(timeout_s: float | None = None, grace_s: float | None = None) -> None:
-    """Make sure DeepSpeed will not wait forever on the lock file of its op build.
+def wait_for_op_build(op: str = SHM_OP, timeout_s: float | None = None,
+                      grace_s: float | None = None) -> None:
+    """Make sure DeepSpeed will not wait forever on the lock file of its build of `op`.
 
     torch's loader builds under ``BUILD_DIR/lock`` and every other process waits, with no message
     and no end, until that file is gone; a build that was killed leaves it behind. Here: no lock,
@@ -124,7 +127,7 @@ def wait_for_op_build(timeout_s: float | None = None, grace_s: float | None = No
     """
     timeout_s = OP_BUILD_TIMEOUT_S if timeout_s is None else timeout_s
     grace_s = OP_BUILD_GRACE_S if grace_s is None else grace_s
-    lock = op_build_dir() / "lock"
+    lock = op_build_dir(op) / "lock"
     console, started, announced = Console(), time.monotonic(), False
     while lock.exists():
         waited = time.monotonic() - started
@@ -137,7 +140,7 @@ def wait_for_op_build(timeout_s: float | None = None, grace_s: float | None = No
             raise UserError(f"DeepSpeed's op build has held {lock} for {waited:.0f} s; if no build is running "
                             f"(ps aux | grep ninja), remove that file and run the command again")
         if (building is None or building) and not announced:
-            console.say(f"waiting for another process's build of DeepSpeed's {SHM_OP} op (lock {lock}; "
+            console.say(f"waiting for another process's build of DeepSpeed's {op} op (lock {lock}; "
                         f"up to {timeout_s / 60:.0f} min)")
             announced = True
         time.sleep(0.5)
@@ -241,6 +244,7 @@ def _optimizer(model, settings: OptimSettings, device: str, cpu_adam: bool = Fal
     if cpu_adam:  # DeepSpeed's vectorised CPU Adam for optimizer offload
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        wait_for_op_build(CPU_ADAM_OP)  # every rank JIT-builds it on first use, behind one lock
         return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
     # fused: one kernel per step, and no foreach temporaries the size of the model (CPU RAM)
     return torch.optim.AdamW(params, fused=True, **kwargs)
