@@ -47,6 +47,7 @@ class FakeCuda:
         self.memory = (free, total)
         monkeypatch.setattr(torch.cuda, "set_device", lambda index: self.calls.append(("set_device", index)))
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.calls.append(("empty_cache", None)))
 
     def mem_get_info(self, device=None):
         self.calls.append(("mem_get_info", device))
@@ -57,10 +58,12 @@ class FakeCuda:
 
 
 def test_a_rank_sets_its_gpu_before_it_reads_free_memory_and_reads_its_own(qwen_dir, monkeypatch):
+    """...and empties torch's cache first, as vLLM does before it measures: blocks a trainer freed
+    are free to vLLM."""
     cuda = FakeCuda(monkeypatch)
     monkeypatch.setenv("LOCAL_RANK", "3")
     kv_cache_budget(qwen_dir, "cuda", torch.bfloat16, 21.0, 0.6, 64)
-    assert cuda.calls == [("set_device", 3), ("mem_get_info", "cuda:3")]
+    assert cuda.calls == [("set_device", 3), ("empty_cache", None), ("mem_get_info", "cuda:3")]
 
 
 def test_the_rank_device_is_the_local_ranks_gpu_and_the_cpu_stays_the_cpu(monkeypatch):

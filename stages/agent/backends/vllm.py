@@ -27,7 +27,8 @@ already holds, which fails as soon as the process holds a trainer; instead the K
 ``rollout.kv_cache_gb`` GiB, or, when that is null, what ``rollout.batch_size`` conversations of
 4096 tokens need, at most a quarter of the memory free at start (`kv_cache_budget`).
 A budget the machine does not have is refused before the engine starts. Memory is queried on the
-rank's own GPU, made current first (`stages.common.distributed.rank_device`).
+rank's own GPU, made current first (`stages.common.distributed.rank_device`), after emptying torch's
+cache as vLLM does before it measures (a trainer's freed blocks are free to vLLM).
 
 Concurrency. The engine plays as many episodes at once (`concurrency`, the agent loop's waves) as
 its KV cache holds conversations of 4096 tokens (`conversations`), read from the cache vLLM made;
@@ -206,11 +207,18 @@ def conversations(kv_tokens: int, max_model_len: int) -> int:
 def _memory(device: str) -> tuple[int, int]:
     """Free and total bytes: of this rank's GPU on CUDA, of the machine's RAM otherwise."""
     if device == "cuda":
+        import gc
+
         import torch
 
         from stages.common.distributed import rank_device
 
-        return torch.cuda.mem_get_info(rank_device(device))
+        gpu = rank_device(device)
+        # Blocks a trainer in this process freed stay in torch's cache and would count as used; vLLM
+        # itself collects and empties the cache before it measures, so the check sees what vLLM will.
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(gpu)
     import psutil
 
     memory = psutil.virtual_memory()
