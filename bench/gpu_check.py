@@ -20,10 +20,10 @@ The settings are configs/gpu/qwen2.5-1.5b.yaml's (bf16, vLLM's share of the GPU,
 checkpointing), with fewer puzzles, turns and steps; with ``--tiny``, the defaults with a tiny
 model, on the CPU in fp32. Prints one JSON object: for each stage whether it ran (or its error, in
 one line), its seconds and tokens/s, its peak memory (on CUDA: `torch.cuda.max_memory_allocated`,
-and the device's use polled with `torch.cuda.mem_get_info`, which sees vLLM's own allocations; on
-the CPU: the process's peak RSS), and beside it `spa plan`'s prediction for the same config and GPU
-(`stages.training.memory`). Exits
-1 when a stage failed. Without CUDA it refuses in one line, unless ``--device cpu``.
+and the device's use polled through NVML, which sees vLLM's own allocations; on the CPU: the
+process's peak RSS), and beside it `spa plan`'s prediction for the same config and GPU
+(`stages.training.memory`). Exits 1 when a stage failed. Without CUDA it refuses in one line,
+unless ``--device cpu``. Nothing leaves the machine: no hub, no vLLM usage statistics.
 """
 
 import argparse
@@ -260,12 +260,16 @@ def planned(kind: str, config) -> dict:
 
 
 class PeakMemory:
-    """Peak memory over a block: on CUDA torch's allocator peak and the device's use, polled every
-    50 ms with `mem_get_info` (vLLM allocates outside torch's allocator); on the CPU the peak RSS."""
+    """Peak memory over a block: on CUDA torch's allocator peak and the device's use (vLLM allocates
+    outside torch's allocator), polled every 50 ms through NVML (`torch.cuda.device_memory_used`,
+    nvidia-ml-py, which vLLM brings). Not with a CUDA call such as `mem_get_info`: one from this
+    thread while vLLM captures its CUDA graphs can break the capture. Without NVML the device's use
+    is not polled: its figures are null and ``not_polled`` says why. On the CPU the peak RSS."""
 
     def __init__(self, device: str):
         self.device = device
-        self.lowest_free = self.free_at_start = self.total = 0
+        self.used_at_start = self.peak_used = self.total = 0
+        self.not_polled: str | None = None
         self._stop = threading.Event()
 
     def __enter__(self):
@@ -274,8 +278,13 @@ class PeakMemory:
 
             torch.cuda.set_device(0)
             torch.cuda.reset_peak_memory_stats()
-            self.lowest_free, self.total = torch.cuda.mem_get_info()
-            self.free_at_start = self.lowest_free
+            self.total = torch.cuda.get_device_properties(0).total_memory
+            try:
+                self.used_at_start = self.peak_used = torch.cuda.device_memory_used(0)
+            except Exception as err:  # noqa: BLE001 - no nvidia-ml-py, or NVML cannot read this GPU
+                self.not_polled = f"NVML cannot be read ({err}); pip install nvidia-ml-py"
+                say(f"the GPU's use is not polled: {self.not_polled}")
+                return self
             self._poller = threading.Thread(target=self._poll, daemon=True)
             self._poller.start()
         return self
@@ -288,22 +297,25 @@ class PeakMemory:
         import torch
 
         while not self._stop.wait(0.05):
-            self.lowest_free = min(self.lowest_free, torch.cuda.mem_get_info(0)[0])
+            self.peak_used = max(self.peak_used, torch.cuda.device_memory_used(0))
 
     def figures(self) -> dict:
         gib = 2**30
         if self.device == "cuda":
             import torch
 
-            return {"max_memory_allocated_gib": round(torch.cuda.max_memory_allocated(0) / gib, 2),
-                    "used_at_start_gib": round((self.total - self.free_at_start) / gib, 2),
-                    "peak_used_gib": round((self.total - self.lowest_free) / gib, 2),
-                    "total_gib": round(self.total / gib, 2)}
+            figures = {"max_memory_allocated_gib": round(torch.cuda.max_memory_allocated(0) / gib, 2),
+                       "total_gib": round(self.total / gib, 2)}
+            if self.not_polled:
+                return figures | {"used_at_start_gib": None, "peak_used_gib": None, "not_polled": self.not_polled}
+            return figures | {"used_at_start_gib": round(self.used_at_start / gib, 2),
+                              "peak_used_gib": round(self.peak_used / gib, 2)}
         import resource
 
         return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib, 2)}
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub,
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # nor may vLLM report its usage
     sys.exit(main())
