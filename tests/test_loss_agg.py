@@ -38,10 +38,18 @@ def test_micro_batches_sum_to_the_one_batch_aggregate(mode):
 
 
 def test_the_aggregations_weigh_sequences_differently():
+    """spa's weights on a batch of a 1-token and a 3-token sequence, against the figures worked by hand."""
+
+    def aggregate(mode, losses):
+        sequence_of = loss_agg.sequence_index([len(loss) for loss in losses])
+        normalizer = loss_agg.batch_normalizer(mode, len(sequence_of), len(losses), BUDGET)
+        return float((torch.cat(losses) * loss_agg.token_weights(sequence_of, mode, normalizer)).sum())
+
+    assert loss_agg.LOSS_AGGS == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
     losses = [torch.tensor([1.0]), torch.tensor([0.0, 0.0, 0.0])]
-    assert [aggregate_by_definition(mode, losses, BUDGET).item() for mode in loss_agg.LOSS_AGGS] == [0.25, 0.5, 0.5, 0.125]
+    assert [aggregate(mode, losses) for mode in loss_agg.LOSS_AGGS] == pytest.approx([1 / 4, 1 / 2, 1 / 2, 1 / 8])
     losses = [torch.tensor([2.0]), torch.tensor([1.0, 1.0, 1.0])]
-    assert [aggregate_by_definition(mode, losses, BUDGET).item() for mode in loss_agg.LOSS_AGGS] == [1.25, 1.5, 2.5, 0.625]
+    assert [aggregate(mode, losses) for mode in loss_agg.LOSS_AGGS] == pytest.approx([5 / 4, 3 / 2, 5 / 2, 5 / 8])
 
 
 def test_the_norm_modes_constant_is_the_stages_sequence_budget():
