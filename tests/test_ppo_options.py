@@ -14,6 +14,7 @@ from test_ppo import read_metrics, tiny_config
 from test_ppo_packing import PAD, two_groups
 
 from stages import ppo
+from stages.common import models, prefix_tree
 from stages.common.errors import UserError
 from stages.training import engine as eng
 from stages.training.policy import StepPolicy, ValueModel
@@ -21,9 +22,18 @@ from stages.training.ppo_samples import micro_batches, score
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_a_shared_critic_scores_log_probs_and_values_in_one_pass(tokenizer, pack):
+def test_a_shared_critic_scores_log_probs_and_values_in_one_pass(tokenizer, pack, monkeypatch):
     """One pass of the policy with its value head gives the policy's log-probs and the values a
-    separate critic with the same trunk and head gives."""
+    separate critic with the same trunk and head gives; packed rows through spa's tree attention,
+    as `load_model` sets it up (the placeholder mask alone would pass through stock SDPA)."""
+    models._use_spa_sdpa()
+    original, tree_calls = prefix_tree.tree_attention, []
+
+    def counted(*args, **kwargs):
+        tree_calls.append(args[3])  # the layout
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_tree, "tree_attention", counted)
     actor = tiny_model(tokenizer, seed=1).eval()
     policy = StepPolicy(actor, temperature=0.7, value_lr=1e-5)
     critic = ValueModel(actor)  # the same trunk object
@@ -39,6 +49,7 @@ def test_a_shared_critic_scores_log_probs_and_values_in_one_pass(tokenizer, pack
         torch.testing.assert_close(a.old_logprobs, b.old_logprobs, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(a.values, b.values, rtol=1e-6, atol=1e-6)
         assert a.values.abs().max() > 0
+    assert len(tree_calls) == (3 * 2 if pack else 0)  # three passes of two layers
 
 
 def test_the_shared_value_head_learns_at_the_critic_rate(tokenizer):
