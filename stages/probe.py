@@ -32,8 +32,9 @@ Protocol:
    against the current state (``copies``).
 5. Likelihood: where the true next state differs from the current one, the teacher-forced
    log-likelihood of each, followed by ``</prediction>``, in the same context: per-token means
-   over the cases (token-weighted) and the share of cases where the true state is the more likely
-   text (``true_more_likely``). A copier puts the copy first, however its greedy text reads.
+   over the cases (token-weighted) and the share of cases where the true state has the higher
+   per-token mean log-likelihood (``true_more_likely``; a sum would favour whichever state
+   tokenizes shorter). A copier puts the copy first, however its greedy text reads.
 6. Figures: per kind of action (``effects``), over the cases whose action changes the state
    (``changed``: the headline, where copying scores nothing) and over all cases (``all``).
 
@@ -230,10 +231,15 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "cases": len(scored),
         "true_logprob_per_token": -true_nll / true_tokens,
         "copy_logprob_per_token": -copy_nll / copy_tokens,
-        "true_more_likely": sum(r["likelihood"]["true_nll"] < r["likelihood"]["copy_nll"] for r in scored)
-        / len(scored),
+        "true_more_likely": sum(_true_more_likely(r["likelihood"]) for r in scored) / len(scored),
     }
     return figures
+
+
+def _true_more_likely(likelihood: dict[str, float]) -> bool:
+    """Whether the true state's mean log-likelihood per token beats the copy's: per token, since the
+    two texts may tokenize to different lengths and a sum favours the shorter."""
+    return likelihood["true_nll"] / likelihood["true_tokens"] < likelihood["copy_nll"] / likelihood["copy_tokens"]
 
 
 def model_likelihood(model: Any, tokenizer: Any) -> Likelihood:
@@ -365,6 +371,7 @@ def _settings(config: SPAConfig, render_mode: str, seeds: range, backend: Any) -
         "prompt_mode": "world_model",
         "render_mode": render_mode,
         "reasoning": "actions",
+        "true_more_likely_by": "mean log-likelihood per token",  # reports that summed differ: not compared
         "dtype": str(getattr(model, "dtype", "")).removeprefix("torch.") or None,
         "spa_version": versions.get("spa"),
         "versions": versions,

@@ -87,6 +87,7 @@ def test_copier_is_exact_on_walls_and_wrong_on_moves(tmp_path):
     rows = [json.loads(line) for line in probe.cases_path(out).read_text().splitlines()]
     assert len(rows) == 16 and {r["action"] for r in rows} == {"Up", "Down", "Left", "Right"}
     assert probe.load_report(out)["settings"]["states"] == 4
+    assert report["settings"]["true_more_likely_by"] == "mean log-likelihood per token"
 
 
 def test_oracle_is_exact_everywhere(tmp_path):
@@ -100,6 +101,19 @@ def test_oracle_is_exact_everywhere(tmp_path):
     moves = report["effects"]["move"]
     assert moves["copies"] == 0.0 and moves["likelihood"]["true_more_likely"] == 1.0
     assert report["changed"]["exact"] == 1.0 and report["changed"]["likelihood"]["true_more_likely"] == 1.0
+
+
+def test_the_true_state_is_more_likely_per_token_not_in_sum():
+    """A true state of 4 tokens at -1.5 nats each against a copy of 2 tokens at -2.5: the copy's sum
+    (-5) beats the true state's (-6), but per token the true state is the more likely text."""
+    longer_true = {"true_nll": 6.0, "true_tokens": 4, "copy_nll": 5.0, "copy_tokens": 2}
+    shorter_true = {"true_nll": 3.0, "true_tokens": 1, "copy_nll": 4.0, "copy_tokens": 2}  # sum: true; mean: copy
+    rows = [{"exact": False, "cells": 0.0, "any_outcome": False, "copies": True, "likelihood": likelihood}
+            for likelihood in (longer_true, shorter_true, longer_true)]
+    figures = probe.summarize(rows)["likelihood"]
+    assert figures["true_more_likely"] == pytest.approx(2 / 3)
+    assert figures["true_logprob_per_token"] == pytest.approx(-15 / 9)
+    assert figures["copy_logprob_per_token"] == pytest.approx(-14 / 6)
 
 
 def test_the_decode_stops_where_a_prediction_can_no_longer_be_exact(tmp_path):
