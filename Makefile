@@ -74,11 +74,12 @@ test: install
 	$(BIN)/python -m pytest -q -n 2
 
 # The slow tests include `spa view`'s page in headless Chromium: playwright drives the system's
-# browser (apt install chromium; the test is skipped without it), never a browser of its own.
+# browser (apt install chromium; the test is skipped without it, saying so: -rs), never a browser of
+# its own. CI (.ci/run) runs this target after `make test`.
 test-slow: install
 	@$(BIN)/pip install --quiet -e '.[browser]' || \
 		{ echo "error: could not install playwright (spa's 'browser' extra); check the network"; exit 2; }
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -rs -m slow
 
 # The whole recipe on the bundled model ($(DEMO_CONFIG)): RandSFT data, clean, SFT, PPO, and the
 # eval of the arms base, spa_sft and spa; the table is runs/demo/table.md (runs/demo_sokoban/ for
