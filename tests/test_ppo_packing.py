@@ -152,9 +152,11 @@ def test_flex_attention_mask_mod_is_the_tree_and_matches_sdpa_per_node():
 
 
 @pytest.mark.gpu
-def test_compiled_flex_attention_equals_sdpa_per_node_on_cuda():
-    """The CUDA path (compiled FlexAttention, bf16 inputs) against the per-node SDPA path, on a
-    tree of many nodes; bf16's unit roundoff 2**-8 over sums of up to 64 terms bounds the gap."""
+@pytest.mark.parametrize("window", [None, 5])
+def test_compiled_flex_attention_equals_sdpa_per_node_on_cuda(window):
+    """The CUDA path (compiled FlexAttention, bf16 inputs, its block mask from the node ranges)
+    against the per-node SDPA path, on a tree of many nodes, with and without a sliding window;
+    bf16's unit roundoff 2**-8 over sums of up to 64 terms bounds the gap."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     batch = collate(micro_batches(two_groups(vocab=50), 4096, share=True)[0], "cuda", PAD)
@@ -162,10 +164,10 @@ def test_compiled_flex_attention_equals_sdpa_per_node_on_cuda():
     inputs, weights = attention_inputs(layout.length)
     inputs = [x.detach().cuda().bfloat16().requires_grad_() for x in inputs]
     weights = weights.cuda().bfloat16()
-    flex = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, flex=True)[0],
+    flex = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, flex=True, window=window)[0],
                              inputs, weights)
-    nodes = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, flex=False)[0],
-                              inputs, weights)
+    nodes = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, flex=False,
+                                                                         window=window)[0], inputs, weights)
     for ours, theirs in zip([flex[0], *flex[1]], [nodes[0], *nodes[1]], strict=True):
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=5e-2, atol=5e-2 * float(theirs.abs().max()))
 

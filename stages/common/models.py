@@ -33,8 +33,9 @@ one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value 
 Prefix-tree-packed training rows (`stages.common.prefix_tree`: the prefix several rows share
 computed once) see each other only through a tree-structured mask; given as a dense mask, SDPA
 would compute every block, masked or not. A model call that passes ``packed_layout`` (a
-`TreeLayout`) gets `tree_attention` instead, with the same outputs; every other call is
-transformers' SDPA.
+`TreeLayout`) gets `tree_attention` instead, with the same outputs (a sliding-window layer's
+window included); every other call is transformers' SDPA. A model whose attention also soft-caps
+its scores, adds sinks or a position bias (`SCORE_EXTRAS`) is refused on the packed path.
 """
 
 from __future__ import annotations
@@ -416,6 +417,12 @@ def kept_columns(first: int, width: int, device=None):
     return torch.arange(first, width, device=device)
 
 
+#: Attention-function arguments that change the scores beyond scale and mask (Gemma-2's soft-capping,
+#: gpt-oss's sinks, T5-style position bias): the paths below that compute attention themselves
+#: have none of them.
+SCORE_EXTRAS = ("position_bias", "s_aux", "softcap", "sinks")
+
+
 def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
              packed_layout=None, **kwargs):
     """transformers' SDPA attention, computed node by node for a prefix-tree-packed sequence
@@ -427,7 +434,11 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     if packed_layout is not None:
         from stages.common.prefix_tree import tree_attention
 
-        return tree_attention(query, key, value, packed_layout, scaling, dropout if module.training else 0.0)
+        if any(kwargs.get(name) is not None for name in SCORE_EXTRAS):
+            raise UserError("prefix-tree packing cannot apply this model's attention soft-capping, sinks or position "
+                            "bias; set sft.share_prefix and ppo.share_prefix to false")
+        return tree_attention(query, key, value, packed_layout, scaling, dropout if module.training else 0.0,
+                              window=kwargs.get("sliding_window"))
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
         return single_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
@@ -445,7 +456,7 @@ def single_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, sc
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
     shared_mask = attention_mask is None or attention_mask.shape[1] == 1
-    extras = any(kwargs.get(name) is not None for name in ("position_bias", "s_aux", "softcap", "sinks"))
+    extras = any(kwargs.get(name) is not None for name in SCORE_EXTRAS)
     if q_len != 1 or heads == kv_heads or not shared_mask or extras or (dropout and module.training):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

@@ -11,15 +11,23 @@ its row's earlier tokens: its own node's earlier tokens and every token of the n
 A model fed the packed sequence with that attention gives every row the outputs (and, by the
 chain rule, the gradients) of the row alone, and computes each shared token once.
 
+A sliding-window layer (Mistral, Qwen2's upper layers, Gemma-3's local ones) adds one condition:
+a query sees a key only if it is fewer than `window` positions back in their row; the row position
+is the tree depth, so the packed rows still get each row's outputs. Each layer's attention call
+says its own window (transformers passes ``sliding_window``), so the mask is per layer.
+
 `tree_attention` computes that attention node by node with SDPA: a root causally over itself; any
-other node's queries over [ancestors..., node], seeing the ancestors in full and the node causally.
-SDPA computes every block of a mask it is given, so a node's queries go in blocks of
-`TreeLayout.query_block`, each over the keys up to its own last query: the key blocks past the
-diagonal, empty under the causal mask, are never computed (the cost of the tree's attention is
-then within one block's width of the causal half it needs, as for unpacked rows). On CUDA, where many small nodes would mean many small kernels, it
-is one compiled FlexAttention call with a block mask built from the tree (`TreeLayout.mask_mod`:
-the key's node is an ancestor-or-self of the query's node, and the key does not come after the
-query), which skips the blocks the mask empties.
+other node's queries over [ancestors..., node], seeing the ancestors in full and the node causally
+(a window cuts both). SDPA computes every block of a mask it is given, so a node's queries go in
+blocks of `TreeLayout.query_block`, each over the keys from its first query's window to its own
+last query: the key blocks past the diagonal, empty under the causal mask, are never computed (the
+cost of the tree's attention is then within one block's width of the causal half it needs, as for
+unpacked rows). On CUDA, where many small nodes would mean many small kernels, it is one compiled
+FlexAttention call with a block mask (`TreeLayout.mask_mod`: the key's node is an ancestor-or-self
+of the query's node, the key does not come after the query, and within the window), which skips
+the tiles the mask empties. Its tile tables come from the node ranges (`TreeLayout.tile_counts`):
+`create_block_mask` would evaluate the mask densely, a T x T mask and two T x T int64 index
+tensors (4.8 GB at 16k tokens); the per-node SDPA masks are built only where SDPA runs.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
+#: FlexAttention's tile: the block mask says per tile of this many queries and keys whether its
+#: scores are all masked (skipped), all kept, or mixed (`mask_mod` evaluated in the kernel).
+FLEX_BLOCK = 128
 #: Queries per SDPA call of a node with ancestors (`TreeLayout.query_block`): on a CPU a call of
 #: 256 queries is still a large matmul, and the masked keys it computes are half a block per query.
 QUERY_BLOCK = 256
@@ -105,30 +116,24 @@ def _place(rows: list[list[int]], members: list[int], depth: int, parent: int, o
 
 class TreeLayout:
     """The attention structure of one packed sequence, on `device`, built once per micro-batch and
-    read by every layer: per node its size, its ancestors (root first) and its causal offset mask;
-    for FlexAttention the node of each token and which nodes are ancestors-or-self of which.
+    read by every layer: per node its size, its ancestors (root first) and its depth (the row
+    position of its first token); per attention window, built on first use and kept for the other
+    layers, the nodes' causal offset masks (SDPA) or the block mask (FlexAttention).
     `query_block`: how many of a node's queries go in one SDPA call (see the module docstring;
     smaller blocks skip more of the masked keys, at one call each)."""
 
     def __init__(self, nodes: Sequence[tuple[int, int, int]], device="cpu", query_block: int = QUERY_BLOCK):
-        import torch
-
         self.nodes = list(nodes)
         if [start for start, _, _ in self.nodes] != [0, *(end for _, end, _ in self.nodes)][:-1]:
             raise ValueError("a TreeLayout's nodes must tile the sequence in order (as `pack` lays them out)")
         self.query_block = query_block
         self.length = self.nodes[-1][1] if self.nodes else 0
         self.sizes = [end - start for start, end, _ in self.nodes]
-        self.ancestors: list[list[int]] = []
-        self.masks: list = []
-        for start, end, parent in self.nodes:
-            chain = self.chain(parent)
-            self.ancestors.append(chain)
-            context, own = sum(self.sizes[a] for a in chain), end - start
-            self.masks.append(torch.ones(own, context + own, dtype=torch.bool, device=device)
-                              .tril(diagonal=context) if chain else None)
+        self.ancestors = [self.chain(parent) for _, _, parent in self.nodes]
+        self.depths = [sum(self.sizes[a] for a in chain) for chain in self.ancestors]
         self.device = device
-        self._block_mask = None
+        self._masks: dict = {}
+        self._block_masks: dict = {}
 
     def chain(self, node: int) -> list[int]:
         """`node` and its ancestors, root first (none for -1)."""
@@ -138,8 +143,17 @@ class TreeLayout:
             node = self.nodes[node][2]
         return out[::-1]
 
-    def dense_mask(self):
-        """``[T, T]`` bool, True where the query (row) may attend to the key (column)."""
+    def positions(self):
+        """``[T]`` long: each token's position in its row (as `pack` gives them)."""
+        import torch
+
+        return torch.cat([torch.arange(depth, depth + size) for depth, size in zip(self.depths, self.sizes)]
+                         or [torch.zeros(0, dtype=torch.long)])
+
+    def dense_mask(self, window: int | None = None):
+        """``[T, T]`` bool, True where the query (row) may attend to the key (column): the key is in
+        the query's node or an ancestor, not after the query, and, with a `window`, fewer than
+        `window` positions before it in their row."""
         import torch
 
         mask = torch.zeros(self.length, self.length, dtype=torch.bool)
@@ -148,43 +162,120 @@ class TreeLayout:
                 a, b, _ = self.nodes[ancestor]
                 mask[start:end, a:b] = True
             mask[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        if window is not None:
+            positions = self.positions()
+            mask &= positions[:, None] - positions[None, :] < window
         return mask.to(self.device)
 
-    def mask_mod(self):
-        """FlexAttention's ``mask_mod(batch, head, q, kv)`` of the tree."""
+    def node_masks(self, window: int | None = None) -> list:
+        """Per node, the mask of its queries over the keys of [ancestors..., node] (whose index
+        there is their row position), or None where plain causal attention over the node alone is
+        it (a root the window does not cut)."""
+        if window not in self._masks:
+            import torch
+
+            masks = []
+            for depth, size, ancestors in zip(self.depths, self.sizes, self.ancestors, strict=True):
+                if not ancestors and (window is None or window >= size):
+                    masks.append(None)
+                    continue
+                query = torch.arange(depth, depth + size, device=self.device)[:, None]
+                key = torch.arange(depth + size, device=self.device)[None, :]
+                masks.append((key <= query) & (query - key < window) if window is not None else key <= query)
+            self._masks[window] = masks
+        return self._masks[window]
+
+    def mask_mod(self, window: int | None = None):
+        """FlexAttention's ``mask_mod(batch, head, q, kv)`` of the tree (`dense_mask`'s rule)."""
         import torch
 
         node_of = torch.empty(self.length, dtype=torch.long)
         related = torch.zeros(len(self.nodes), len(self.nodes), dtype=torch.bool)
         for node, (start, end, parent) in enumerate(self.nodes):
             node_of[start:end] = node
-            ancestor = node
-            while ancestor >= 0:
-                related[node, ancestor] = True
-                ancestor = self.nodes[ancestor][2]
+            related[node, self.chain(node)] = True
         node_of, related = node_of.to(self.device), related.to(self.device)
+        if window is None:
+            def mask_mod(batch, head, q, kv):
+                return related[node_of[q], node_of[kv]] & (kv <= q)
+        else:
+            positions = self.positions().to(self.device)
 
-        def mask_mod(batch, head, q, kv):
-            return related[node_of[q], node_of[kv]] & (kv <= q)
+            def mask_mod(batch, head, q, kv):
+                return related[node_of[q], node_of[kv]] & (kv <= q) & (positions[q] - positions[kv] < window)
 
         return mask_mod
 
-    def block_mask(self):
-        """The FlexAttention block mask of the tree (built on the first call)."""
-        if self._block_mask is None:
-            from torch.nn.attention.flex_attention import create_block_mask
+    def block_mask(self, window: int | None = None, block: int = FLEX_BLOCK):
+        """The FlexAttention block mask of the tree (`mask_mod`), its tables from `tile_counts`."""
+        if (window, block) not in self._block_masks:
+            from torch.nn.attention.flex_attention import BlockMask
 
-            self._block_mask = create_block_mask(self.mask_mod(), 1, None, self.length, self.length,
-                                                 device=self.device)
-        return self._block_mask
+            counts = self.tile_counts(window, block)
+            full = counts == block * block  # a tile the sequence's end cuts is never full, as create_block_mask pads
+            tables = [_ordered(table) for table in ((counts > 0) & ~full, full)]
+            self._block_masks[window, block] = BlockMask.from_kv_blocks(
+                *tables[0], *tables[1], BLOCK_SIZE=block, mask_mod=self.mask_mod(window),
+                seq_lengths=(self.length, self.length))
+        return self._block_masks[window, block]
+
+    def tile_counts(self, window: int | None = None, block: int = FLEX_BLOCK):
+        """``[tiles, tiles]`` long: how many (query, key) pairs of each `block` x `block` tile of
+        `dense_mask(window)` are True, from the node ranges without building the mask. A query's
+        keys are one interval per node of its chain (the window cuts its start), so each tile row
+        adds its partial first and last key tiles and, by a difference table, the whole tiles
+        between them: memory per query token and node of its chain, not per query and key."""
+        import torch
+
+        # every (node, node of its chain), then per query token of the first: its index and row position,
+        # and the second's range and depth
+        pairs = [(node, other) for node in range(len(self.nodes)) for other in self.chain(node)]
+        if not pairs:
+            return torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        node, other = (torch.tensor(column) for column in zip(*pairs, strict=True))
+        starts, sizes, depths = (torch.tensor(x) for x in ([s for s, _, _ in self.nodes], self.sizes, self.depths))
+        per_pair = sizes[node]
+        pair = torch.repeat_interleave(torch.arange(len(pairs)), per_pair)
+        offset = torch.arange(len(pair)) - torch.repeat_interleave(per_pair.cumsum(0) - per_pair, per_pair)
+        query = starts[node[pair]] + offset
+        position = depths[node[pair]] + offset
+        key_start, key_depth, key_size = starts[other[pair]], depths[other[pair]], sizes[other[pair]]
+        # the node's keys at row positions [oldest, position], as indices [first, end)
+        oldest = position - window + 1 if window is not None else torch.zeros_like(position)
+        first = key_start + (oldest - key_depth).clamp(min=0)
+        end = key_start + (position + 1 - key_depth).clamp(max=key_size)
+        nonempty = first < end
+        query, first, end = query[nonempty], first[nonempty], end[nonempty]
+        tiles = -(-self.length // block)
+        row, first_tile, last_tile = query // block, first // block, (end - 1) // block
+        counts = torch.zeros(tiles, tiles, dtype=torch.long)
+        counts.index_put_((row, first_tile), torch.minimum(end, (first_tile + 1) * block) - first, accumulate=True)
+        apart = last_tile > first_tile
+        counts.index_put_((row[apart], last_tile[apart]), (end - last_tile * block)[apart], accumulate=True)
+        between = torch.zeros_like(counts)  # +block from the tile after the first, -block from the last
+        between.index_put_((row[apart], first_tile[apart] + 1), torch.tensor(block), accumulate=True)
+        between.index_put_((row[apart], last_tile[apart]), torch.tensor(-block), accumulate=True)
+        return (counts + between.cumsum(1)).to(self.device)
+
+
+def _ordered(tiles):
+    """A ``[tiles, tiles]`` bool table as FlexAttention's ``(num_blocks [1, 1, q_tiles], indices
+    [1, 1, q_tiles, kv_tiles])``: per query tile how many key tiles it reads, and which first."""
+    import torch
+
+    tiles = tiles.to(torch.int32)
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(-1).to(torch.int32)[None, None].contiguous(), order.to(torch.int32)[None, None].contiguous()
 
 
 def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout: float = 0.0,
-                   flex: bool | None = None):
+                   flex: bool | None = None, window: int | None = None):
     """Attention of one packed sequence (``query`` ``[1, heads, T, dim]``, ``key``/``value``
-    ``[1, kv_heads, T, dim]``) under `layout`; returns ``([1, T, heads, dim], None)`` like
-    transformers' attention functions. `flex` picks FlexAttention (default: on CUDA without
-    dropout, which FlexAttention lacks), compiled on CUDA, eager elsewhere (tests)."""
+    ``[1, kv_heads, T, dim]``) under `layout`, a query seeing only the keys fewer than `window`
+    positions before it in its row where a window is given (a sliding-window layer); returns
+    ``([1, T, heads, dim], None)`` like transformers' attention functions. `flex` picks
+    FlexAttention (default: on CUDA without dropout, which FlexAttention lacks), compiled on CUDA,
+    eager elsewhere (tests)."""
     import torch
     import torch.nn.functional as F
 
@@ -192,7 +283,7 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
     if flex is None:
         flex = query.is_cuda and not dropout
     if flex:
-        out = _flex(query.is_cuda)(query, key, value, block_mask=layout.block_mask(), scale=scaling,
+        out = _flex(query.is_cuda)(query, key, value, block_mask=layout.block_mask(window), scale=scaling,
                                    enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     # Node slices by `split` (and ancestors joined by `cat`), not by indexing: the backward of a
@@ -200,19 +291,22 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
     # gradient of the whole sequence per node and query block.
     queries, keys, values = (x.split(layout.sizes, dim=2) for x in (query, key, value))
     blocks = []
-    for node, (ancestors, mask) in enumerate(zip(layout.ancestors, layout.masks, strict=True)):
+    for node, (ancestors, mask) in enumerate(zip(layout.ancestors, layout.node_masks(window), strict=True)):
         q, k, v = queries[node], keys[node], values[node]
-        if not ancestors:
+        if mask is None:
             blocks.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                          enable_gqa=gqa))
             continue
-        k = torch.cat([keys[a] for a in ancestors] + [k], dim=2)
-        v = torch.cat([values[a] for a in ancestors] + [v], dim=2)
+        if ancestors:
+            k = torch.cat([keys[a] for a in ancestors] + [k], dim=2)
+            v = torch.cat([values[a] for a in ancestors] + [v], dim=2)
         context = k.shape[2] - q.shape[2]
         for first, q_block in zip(range(0, q.shape[2], layout.query_block), q.split(layout.query_block, dim=2)):
             seen = context + first + q_block.shape[2]  # the keys up to the block's last query
+            oldest = max(0, context + first - window + 1) if window is not None else 0  # the window's, for its first
             blocks.append(F.scaled_dot_product_attention(
-                q_block, k[:, :, :seen], v[:, :, :seen], attn_mask=mask[first:first + q_block.shape[2], :seen],
+                q_block, k[:, :, oldest:seen], v[:, :, oldest:seen],
+                attn_mask=mask[first:first + q_block.shape[2], oldest:seen],
                 dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
