@@ -58,6 +58,7 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
     from stages.sft import token_ce_sum
     from stages.training import engine as eng
     from stages.training import trainable
+    from stages.training.policy import StepPolicy
     from stages.training.sft_data import collate, rank_micro_batches, read_rows, step_plan, tokenize_rows
 
     config = load_config(None, [], {"model.name": model, "model.dtype": dtype, "sft.zero_stage": stage,
@@ -65,7 +66,7 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
     cfg = config.sft
     dist = trainable.start_processes(config.model, stage)
     model, tokenizer, mixed = trainable.load_trainable(config.model, dist, zero_stage=stage, seed=cfg.seed)
-    engine = trainable.make_engine(model, dist, mixed, stage, eng.OptimSettings(
+    engine = trainable.make_engine(StepPolicy(model, temperature=1.0), dist, mixed, stage, eng.OptimSettings(
         cfg.lr, tuple(cfg.betas), cfg.weight_decay, cfg.grad_clip, 10, cfg.warmup_ratio), False, "")
     examples = tokenize_rows(read_rows(data), tokenizer, cfg.max_length)[0]
     params = sum(p.numel() for p in model.parameters())

@@ -27,8 +27,10 @@ saved merged so checkpoints load as plain models); the run directory is
 `stages.training.checkpoints.RunDir`.
 
 Simplifications, nanochat style:
-- logits are computed only at the positions whose next token is trained (`logits_to_keep`), which
-  skips the LM head and the softmax on prompt tokens and keeps logit memory small;
+- the engine trains the model as PPO's actor (`stages.training.policy.StepPolicy`) at temperature
+  1: the cross-entropy is minus its log-probs, computed only at the positions whose next token is
+  trained, which skips the LM head and the softmax on prompt tokens, and a chunk of positions at a
+  time, so a micro-batch's logits never exist whole;
 - the data order is a pure function of (seed, epoch) and nothing else draws random numbers (the
   bundled models have no dropout), so resuming needs the weights, optimizer, schedule and a step
   counter only; rank 0's torch RNG state is saved and restored as well;
@@ -196,6 +198,7 @@ class _Trainer:
 
     def fit(self, resuming: bool) -> dict:
         from stages.common.models import pick_attention
+        from stages.training.policy import StepPolicy
 
         cfg = self.cfg
         self.dist = trainable.start_processes(self.config.model, cfg.zero_stage, cfg.gradient_checkpointing,
@@ -211,7 +214,8 @@ class _Trainer:
         self.share = cfg.share_prefix and attn == "sdpa"  # the tree's attention is spa's SDPA
         optim = eng.OptimSettings(cfg.lr, tuple(cfg.betas), cfg.weight_decay, cfg.grad_clip, self.total_steps,
                                   cfg.warmup_ratio)
-        self.engine = trainable.make_engine(self.model, self.dist, mixed, cfg.zero_stage, optim, cfg.offload,
+        policy = StepPolicy(trainable.inner_lm(self.model), temperature=1.0)  # its log-probs: minus the loss
+        self.engine = trainable.make_engine(policy, self.dist, mixed, cfg.zero_stage, optim, cfg.offload,
                                             cfg.deepspeed_config)
         progress = self._restore() if saved is not None else Progress()
         self._announce(progress, saved is not None)
@@ -372,21 +376,21 @@ class _Trainer:
         return result
 
 
-def token_ce(engine, batch: dict):
+def token_ce(policy, batch: dict):
     """Cross-entropy of each trained token of one micro-batch (``batch["rows"]`` names each one's
-    row); logits only where needed."""
-    import torch.nn.functional as F
+    row), from `policy` (a `StepPolicy` at temperature 1, or an engine training one)."""
+    import torch
 
-    packed = {"attention_mask": batch["attention_mask"], "packed_layout": batch["layout"]} if "layout" in batch else {}
-    out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=batch["keep"],
-                 use_cache=False, **packed)
-    logits = out.logits.flatten(0, 1)  # a view: its backward allocates nothing (logits[0] would)
-    return F.cross_entropy(logits.float(), batch["targets"], reduction="none")
+    keep = batch["keep"]
+    logprobs, _, _ = policy(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                            rows=torch.zeros_like(keep), cols=keep, targets=batch["targets"],
+                            position_ids=batch["position_ids"], layout=batch.get("layout"))
+    return -logprobs
 
 
-def token_ce_sum(engine, batch: dict):
+def token_ce_sum(policy, batch: dict):
     """Summed cross-entropy of the trained tokens of one micro-batch."""
-    return token_ce(engine, batch).sum()
+    return token_ce(policy, batch).sum()
 
 
 def _figures(row: dict) -> str:

@@ -381,6 +381,7 @@ def test_sft_rows_weighed_alike_over_two_ranks_step_as_one_process(tokenizer, ti
 
     from stages.common import models
     from stages.sft import token_ce
+    from stages.training.policy import StepPolicy
     from stages.training.sft_data import collate, epoch_steps, step_plan, tokenize_rows
 
     rows = sft_rows([4, 1, 1, 1, 1])
@@ -393,12 +394,13 @@ def test_sft_rows_weighed_alike_over_two_ranks_step_as_one_process(tokenizer, ti
 
     models._use_spa_sdpa()  # as load_model does
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    policy = StepPolicy(model, temperature=1.0)
 
     def grad_norm(batches: list[list]) -> float:
         """The norm of the gradient of the mean over `batches` of each one's aggregate."""
         model.zero_grad()
         for batch in batches:
-            losses = [token_ce(model, collate([example])) for example in batch]
+            losses = [token_ce(policy, collate([example])) for example in batch]
             (aggregate_by_definition("seq-mean-token-mean", losses, 0) / len(batches)).backward()
         return float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
 

@@ -19,6 +19,7 @@ from stages.common.errors import UserError
 from stages.common.models import load_tokenizer
 from stages.training import loss_agg
 from stages.training.engine import TorchEngine, cosine_with_warmup, deepspeed_config
+from stages.training.policy import StepPolicy
 from stages.training.sft_data import (
     Example,
     collate,
@@ -277,7 +278,7 @@ def test_packed_rows_give_the_same_loss_as_separate_rows(tokenizer, tiny_model_d
     """Restarting position_ids make transformers build a block-diagonal mask on SDPA."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    model = StepPolicy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa"), 1.0)
     examples = [tokenize_row(tokenizer, conversation(random.Random(s)), 4096) for s in (1, 2)]
     packed = sft.token_ce_sum(model, collate(examples))
     separate = sum(sft.token_ce_sum(model, collate([e])) for e in examples)
@@ -562,8 +563,8 @@ def test_packed_rows_under_flash_attention_give_the_same_loss_as_separate_rows(t
     from stages.common.models import pick_attention
 
     assert pick_attention("auto", "cuda", torch.bfloat16) == "flash_attention_2"  # what sft then packs for
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="flash_attention_2",
-                                                 dtype=torch.bfloat16).cuda()
+    model = StepPolicy(AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="flash_attention_2",
+                                                            dtype=torch.bfloat16).cuda(), 1.0)
     examples = [tokenize_row(tokenizer, conversation(random.Random(s)), 4096) for s in (1, 2, 3)]
     with torch.no_grad():
         packed = sft.token_ce_sum(model, collate(examples, "cuda"))
@@ -645,13 +646,14 @@ def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_m
     examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
     models._use_spa_sdpa()  # as load_model does
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    policy = StepPolicy(model, temperature=1.0)
 
     def losses_and_grads(plan, share):
         model.zero_grad()
         per_row = torch.zeros(len(examples))
         for mb in plan:
             batch = collate([examples[i] for i in mb.rows], "cpu", share)
-            per_row = per_row.index_add(0, torch.tensor(mb.rows)[batch["rows"]], token_ce(model, batch))
+            per_row = per_row.index_add(0, torch.tensor(mb.rows)[batch["rows"]], token_ce(policy, batch))
         per_row.sum().backward()
         return per_row.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -688,12 +690,13 @@ def test_a_step_has_the_gradient_of_its_loss_agg_however_rows_are_grouped(tokeni
     assert len({e.trained for e in examples}) > 1  # unequal rows: the modes weigh them apart
     models._use_spa_sdpa()  # as load_model does
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    policy = StepPolicy(model, temperature=1.0)
     budget = make_config(data, tiny_model_dir, tmp_path).sft.max_length
 
     def by_definition(mode):
         model.zero_grad()
-        aggregate_by_definition(mode, [token_ce(model, collate([e])) for e in examples], budget).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        aggregate_by_definition(mode, [token_ce(policy, collate([e])) for e in examples], budget).backward()
+        return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}  # named as sft's
 
     def assert_close(actual, expected, msg):
         for name, grad in expected.items():

@@ -9,26 +9,40 @@
 Both run their heads only at the requested positions (``rows``, ``cols``), so prompt and
 environment tokens cost no vocabulary projection, and take ``position_ids`` and the ``layout`` of
 prefix-tree-packed rows (`stages.training.ppo_samples.collate`).
+
+`spa sft` trains a `StepPolicy` at temperature 1 too: its token cross-entropy is minus the
+log-probs, so SFT and PPO share one LM-head path. That path runs the head over `head_chunk`
+positions at a time (`head_logprobs`), so the logits of a whole micro-batch never exist at once,
+in the forward pass or the backward.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from stages.training import ppo_algos as algos
+
+#: The size of one fp32 ``[positions, vocab]`` tensor of a chunk of positions: the LM head runs
+#: over that many positions at a time (341 at SmolLM2's 49k vocabulary, 110 at Qwen2.5's 152k).
+#: A chunk's backward holds a few such tensors (logits, log-softmax, their gradient); smaller
+#: chunks save little more and recompute the head's weight cast (under autocast) more often.
+HEAD_CHUNK_BYTES = 64 * 2**20
 
 
 class StepPolicy(nn.Module):
     """The actor as the trainer sees it: log-probs (and entropies) of given tokens at given positions.
 
-    The LM head runs only on the requested positions when the model's logits are a plain linear
-    map of its last hidden state (checked once on a probe input); otherwise the full logits are
-    computed and indexed. Logits are divided by the sampling temperature: the log-probs are those
-    of the distribution the sampler drew from. ``value_lr`` adds a value head on the last hidden
-    state (a shared-trunk critic) that learns at that rate (`optimizer_groups`).
+    The LM head runs only on the requested positions, a chunk of them at a time (`head_logprobs`),
+    when the model's logits are a plain linear map of its last hidden state (checked once on a
+    probe input); otherwise the model computes the logits of the requested columns itself, whole.
+    Logits are divided by the sampling temperature: the log-probs are those of the distribution
+    the sampler drew from. ``value_lr`` adds a value head on the last hidden state (a shared-trunk
+    critic) that learns at that rate (`optimizer_groups`).
     """
 
     def __init__(self, causal_lm: nn.Module, temperature: float, value_lr: float | None = None):
@@ -46,16 +60,14 @@ class StepPolicy(nn.Module):
         inputs = _model_inputs(input_ids, attention_mask, position_ids, layout)
         if self.plain_head:
             hidden = self.lm.base_model(**inputs).last_hidden_state[rows, cols]
-            logits = self.lm.get_output_embeddings()(hidden)
+            head = self.lm.get_output_embeddings()
+            logprobs, entropy = head_logprobs(head, hidden, targets, self.temperature, with_entropy)
         else:
-            out = self.lm(**inputs, output_hidden_states=with_values)
-            logits = out.logits[rows, cols]
+            # Only the requested columns: each row's logits at every column any row asks for.
+            columns, column_of = torch.unique(cols, return_inverse=True)
+            out = self.lm(**inputs, logits_to_keep=columns, output_hidden_states=with_values)
+            logprobs, entropy = _scores(out.logits[rows, column_of], targets, self.temperature, with_entropy)
             hidden = out.hidden_states[-1][rows, cols] if with_values else None
-        logits = logits.float() / self.temperature
-        if with_entropy:
-            logprobs, entropy = algos.logprobs_and_entropy(logits, targets)
-        else:
-            logprobs, entropy = algos.logprobs_from_logits(logits, targets), None
         values = self.value_head(hidden).squeeze(-1).float() if with_values else None
         return logprobs, entropy, values
 
@@ -85,6 +97,40 @@ class ValueModel(nn.Module):
                 targets: torch.Tensor | None = None, layout: Any = None) -> torch.Tensor:
         hidden = self.body(**_model_inputs(input_ids, attention_mask, position_ids, layout)).last_hidden_state
         return self.value_head(hidden[rows, cols]).squeeze(-1).float()
+
+
+def head_logprobs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` (and the entropies) under ``head(hidden) / temperature``, for
+    ``hidden`` ``[N, hidden_size]``, `head_chunk` positions at a time.
+
+    With gradients and more than one chunk, each chunk is checkpointed: its forward keeps only its
+    inputs, and its backward recomputes its logits, so one chunk's vocabulary-sized tensors exist
+    at a time in either pass, at the price of a second head matmul per chunk. One chunk is not
+    recomputed: it keeps what the unchunked computation keeps, no more than a chunk."""
+    chunk = head_chunk(head.out_features)
+    recompute = torch.is_grad_enabled() and hidden.shape[0] > chunk
+    score = partial(checkpoint, _head_scores, use_reentrant=False) if recompute else _head_scores
+    pieces = [score(head, h, t, temperature, with_entropy)
+              for h, t in zip(hidden.split(chunk), targets.split(chunk), strict=True)]
+    logprobs = torch.cat([lp for lp, _ in pieces])
+    return logprobs, torch.cat([e for _, e in pieces]) if with_entropy else None
+
+
+def head_chunk(vocab: int) -> int:
+    """Positions per chunk of `head_logprobs`: one fp32 ``[chunk, vocab]`` tensor in `HEAD_CHUNK_BYTES`."""
+    return max(1, HEAD_CHUNK_BYTES // (4 * vocab))
+
+
+def _head_scores(head, hidden, targets, temperature, with_entropy):
+    return _scores(head(hidden), targets, temperature, with_entropy)
+
+
+def _scores(logits, targets, temperature, with_entropy):
+    logits = logits.float() / temperature
+    if with_entropy:
+        return algos.logprobs_and_entropy(logits, targets)
+    return algos.logprobs_from_logits(logits, targets), None
 
 
 def _model_inputs(input_ids, attention_mask, position_ids, layout) -> dict:
