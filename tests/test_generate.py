@@ -281,5 +281,5 @@ def test_generate_says_what_it_will_do_then_counts_turns_and_tokens_before_an_ep
     assert {turns for turns, *_ in before_an_end} == {0, 2, 4, 6}
     first_turn_tokens = [tokens for turns, _, tokens, _ in before_an_end if turns == 0]
     assert first_turn_tokens == sorted(set(first_turn_tokens)) and len(first_turn_tokens) >= 3
-    assert all(eta for turns, *_, eta in lines if turns > 0)
+    assert all(eta == (episodes > 0) for _, episodes, _, eta in lines)  # an ETA once an episode has ended
     assert lines[-1] == (6, 2, summary["tokens"], True)

@@ -300,8 +300,9 @@ class RolloutMeter:
     wave, long on a CPU), not only between calls. `figures()` adds the episodes finished and
     solved and the tokens generated.
 
-    Given a `bar`, the meter shows itself on it: as the bar's count (generate, eval), or, with
-    `within` ("step 3" of ppo), in the figures of a bar that counts something else.
+    Given a `bar`, the meter shows itself on it: as the bar's count, with the ETA of `rollout_eta`
+    (the turns only bound the work: most episodes end early) (generate, eval), or, with `within`
+    ("step 3" of ppo), in the figures of a bar that counts something else.
     """
 
     def __init__(self, bar: Progress | None = None, within: str = ""):
@@ -309,6 +310,8 @@ class RolloutMeter:
         self.total = self.done = self.tokens = self.episodes = self.solved = 0
         self.max_turns = 0
         self.started = time.perf_counter()
+        if bar is not None and not within:
+            bar.estimate = self.eta_seconds
 
     def plan(self, episodes: int, max_turns: int) -> None:
         """Expect `episodes` more episodes of up to `max_turns` turns each."""
@@ -331,10 +334,16 @@ class RolloutMeter:
     def seconds(self) -> float:
         return time.perf_counter() - self.started
 
+    def planned(self) -> int:
+        return self.total // self.max_turns if self.max_turns else 0
+
+    def eta_seconds(self) -> float | None:
+        return rollout_eta(self.seconds(), self.episodes, self.planned())
+
     def figures(self) -> str:
-        planned = self.total // self.max_turns if self.max_turns else 0
+        # no tokens: the random backend
         tokens = f", {self.tokens} tok ({self.tokens / max(self.seconds(), 1e-9):.0f}/s)" if self.tokens else ""
-        return f"episodes {self.episodes}/{planned} ({self.solved} solved){tokens}"  # no tokens: the random backend
+        return f"episodes {self.episodes}/{self.planned()} ({self.solved} solved){tokens}"
 
     def _show(self) -> None:
         if self.bar is None:
@@ -343,3 +352,17 @@ class RolloutMeter:
             self.bar.update(self.bar.done, f"{self.within}: rollout {self.done}/{self.total} turns, {self.figures()}")
         else:
             self.bar.update(self.done, self.figures(), total=self.total)
+
+
+def rollout_eta(seconds: float, finished: int, planned: int) -> float | None:
+    """Seconds left of a rollout of `planned` episodes, `seconds` in with `finished` done: the
+    episodes left at the rate they have finished so far; None until one has.
+
+    Not from the turns or tokens: the bound on them (every episode playing every turn, every turn
+    its max_new_tokens) is several times what games take, and their rate changes within a wave as
+    its episodes end (a wave runs as long as its longest episode). The first episodes to finish
+    are the short ones of the first wave, so the first estimates are rough (high while a wave's
+    long episodes play); it is exact for equal waves at their ends."""
+    if finished == 0:
+        return None
+    return seconds * (planned - finished) / finished

@@ -8,11 +8,14 @@
   the total with an update. On a terminal it is a rich bar on stderr. Without one (a run under
   ``nohup``, a CI log, a pipe) it writes one plain line per update on stderr instead: the first
   update at once, then at most one every `LOG_EVERY_S` seconds, and the last as the display
-  closes, with the elapsed time and an ETA from the rate since the bar opened::
+  closes, with the elapsed time and an ETA::
 
       sft: 12/40 steps (30%) loss 1.234 lr 1.0e-04; 1m05s elapsed, ETA 2m32s
 
-  so a background run's log shows how far it is. ``quiet`` silences both.
+  so a background run's log shows how far it is. ``quiet`` silences both. Both displays show
+  the same ETA (`Progress.eta_seconds`): from the rate since the bar opened, or, where the count
+  is only a bound on the work (a rollout's turns), the estimate of whoever drives the bar
+  (`Progress.estimate`), which may be none yet.
 
 Progress goes to stderr and messages to stdout, so a command whose product is printed (a report
 table, JSON) can be redirected without the bars.
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -66,6 +69,9 @@ class Progress:
         self.label, self.total, self.start_done, self.unit = label, total, done, unit
         self.done = done
         self.started = time.monotonic()
+        #: Seconds left by the bar's driver, when its count bounds the work rather than measures it
+        #: (`stages.agent.proxy.RolloutMeter`); None: an ETA from the count's rate.
+        self.estimate: Callable[[], float | None] | None = None
 
     def update(self, done: int, figures: str = "", total: int | None = None) -> None:
         """`done` units so far, `figures` to show beside them, and the `total` if it changed."""
@@ -80,7 +86,10 @@ class Progress:
         pass
 
     def eta_seconds(self) -> float | None:
-        """Seconds left at the rate since the bar opened; None before the first unit is done."""
+        """Seconds left: the driver's `estimate`, or at the rate since the bar opened; None while
+        unknown (before the first unit is done)."""
+        if self.estimate is not None:
+            return self.estimate()
         progressed = self.done - self.start_done
         if progressed <= 0:
             return None
@@ -121,12 +130,12 @@ class _RichProgress(Progress):
     def __init__(self, label: str, total: int, done: int, unit: str, transient: bool):
         super().__init__(label, total, done, unit)
         from rich.console import Console as RichConsole
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, RenderableColumn, TextColumn
         from rich.progress import Progress as RichBar
 
         self.bar = RichBar(TextColumn(label, markup=False), BarColumn(bar_width=20), MofNCompleteColumn(),
                            TextColumn(unit, markup=False), TextColumn("{task.fields[figures]}", markup=False),
-                           TimeRemainingColumn(),
+                           RenderableColumn(_EtaText(self)),
                            console=RichConsole(stderr=True), transient=transient)
         self.bar.start()
         self.task = self.bar.add_task(label, total=total, completed=done, figures="")
@@ -137,6 +146,19 @@ class _RichProgress(Progress):
 
     def close(self) -> None:
         self.bar.stop()
+
+
+class _EtaText:
+    """The bar's ETA as rich draws it, computed at each refresh: the line progress's figure."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+
+    def __rich__(self):
+        from rich.text import Text
+
+        eta = self.progress.eta_seconds()
+        return Text(f"ETA {duration(eta)}" if eta is not None else "")
 
 
 def duration(seconds: float) -> str:
