@@ -124,6 +124,7 @@ from stages.common.console import Console
 from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
+from stages.evaluation.collapse import collapse_diagnostics
 from stages.training import engine as eng
 from stages.training import loss_agg, memory, trainable
 from stages.training import ppo_algos as algos
@@ -494,6 +495,7 @@ def episode_figures(episode: Any) -> dict[str, Any]:
     return {"group": episode.group, "score": episode.total_reward, "success": bool(episode.success),
             "format_penalty": episode.format_penalty, "turns": len(episode.turns),
             "response_length": sum(episode.response_mask), "sequence_length": len(episode.token_ids),
+            "response_tokens": [t for t, sampled in zip(episode.token_ids, episode.response_mask) if sampled],
             **{key: sum(getattr(turn, key) for turn in episode.turns) for key in STATE_REWARD_METRICS}}
 
 
@@ -603,8 +605,8 @@ def _forget_validations_after(out: Path, step: int) -> None:
 def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
                   state_reward: bool = False) -> dict[str, float]:
     """What the rollouts did (`figures` of every episode; with `state_reward`, the state reward an
-    episode was paid, on average, and its two parts), and how far the trainer's log-probs are from
-    the sampler's."""
+    episode was paid, on average, and its two parts), whether they are collapsing
+    (`stages.evaluation.collapse`), and how far the trainer's log-probs are from the sampler's."""
     n = len(figures)
     stats = {
         "reward": sum(f["score"] for f in figures) / n,
@@ -617,6 +619,7 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
         "kept_reward": sum(e.total_reward for e in kept) / len(kept),
         "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
+    stats |= collapse_diagnostics([f["response_tokens"] for f in figures], [f["group"] for f in figures])
     if state_reward:
         stats |= {key: sum(f[key] for f in figures) / n for key in STATE_REWARD_METRICS}
     diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples

@@ -1,21 +1,17 @@
-"""`spa ppo` end to end on a tiny random model: artifacts, resume, bad input; and a slow learning
-test with the bundled model on a one-turn bandit."""
+"""`spa ppo` end to end on a tiny random model: artifacts, resume, bad input (learning:
+tests/test_ppo_learning.py)."""
 
 import io
 import json
 import math
-import random
 import types
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 import torch
 from helpers import assert_same_weights, live_modules
 from safetensors.torch import load_file
 
-from envs import TextGameEnv
-from envs.registry import SPECS, EnvSpec
 from stages import ppo
 from stages.common.config import load_config
 from stages.common.errors import UserError
@@ -37,7 +33,8 @@ def read_metrics(out):
 
 
 TRAIN_FIELDS = ("reward", "success", "entropy", "clip_frac", "ppo_kl", "value_loss", "pg_loss",
-                "response_length", "logp_diff", "seconds_rollout", "seconds_old_logprobs", "seconds_values",
+                "response_length", "distinct_in_group", "distinct_responses", "repeated_ngrams", "input_dependence",
+                "logp_diff", "seconds_rollout", "seconds_old_logprobs", "seconds_values",
                 "seconds_update", "update_tokens_per_s", "actor_grad_norm", "critic_grad_norm", "peak_rss_gb")
 
 
@@ -555,66 +552,3 @@ def test_validation_measures_the_state_perplexity_of_the_live_actor(tiny_model_d
 
     assert found == pytest.approx(ppl(out / "final"), rel=1e-4)
     assert abs(found - ppl(tiny_model_dir)) > 1e-3 * found  # the update moved it
-
-
-# ---- learning test -------------------------------------------------------------------------------
-
-
-class BanditEnv(TextGameEnv):
-    """A one-turn text bandit: name a colour; only "Blue" pays 1, any other colour 0."""
-
-    name = "bandit"
-    action_names = ("Red", "Blue", "Green", "Yellow")
-    instructions: ClassVar[dict[str, str]] = {
-        mode: "Pick one colour." for mode in ("base", "world_model")}
-    max_actions_per_traj = 1
-
-    def parse_action(self, text: str) -> str | None:
-        """The first colour named anywhere in the answer ("I chose green." -> Green)."""
-        found = [(text.lower().find(c.lower()), c) for c in self.action_names if c.lower() in text.lower()]
-        return min(found)[1] if found else None
-
-    def _reset(self, rng: random.Random) -> None:
-        self.picked = None
-
-    def _step(self, action: str) -> tuple[float, bool, bool, dict]:
-        self.picked = self.parse_action(action)
-        success = self.picked == "Blue"
-        return float(success), True, False, {"success": success, "action_is_valid": self.picked is not None,
-                                             "action_is_effective": True}
-
-    def render_grid(self) -> str:
-        return "Red Blue Green Yellow"
-
-    def coordinate_line(self) -> str:
-        return ""
-
-
-@pytest.mark.slow
-def test_reward_rises_on_a_one_turn_bandit(tmp_path, monkeypatch):
-    """PPO with the bundled model learns to answer "Blue" within a few steps.
-
-    SmolLM2-135M almost never writes SPA's answer format on its own, so the generation prefix
-    writes the format for it up to the colour ("...<answer>My colour:") and the parser closes the
-    answer after the model's two tokens: the test is about PPO learning the choice, not the
-    format. The bundled model starts with "Red" 71% of the time and "Blue" 12%.
-    """
-    from stages.agent import parsing, prompts, proxy
-
-    prefix = "<think>I choose a colour.</think> <answer>My colour:"
-    monkeypatch.setattr(prompts, "GENERATION_PREFIX", prefix)
-    monkeypatch.setattr(proxy, "parse_response", lambda text, *args, **kwargs: parsing.parse_response(
-        text + "</answer>", *args, prefix=prefix, **kwargs))
-    monkeypatch.setitem(SPECS, "bandit", EnvSpec("bandit", "spa/Bandit-v0", f"{__name__}:BanditEnv"))
-    out = tmp_path / "run"
-    config = load_config(None, [
-        "model.name=smollm2-135m", f"ppo.out={out}", "quiet=true", "env.name=bandit", "ppo.render_mode=text",
-        "eval.render_mode=text", "rollout.max_turns=1", "rollout.max_new_tokens=2",
-        "rollout.groups=4", "rollout.group_size=4", "ppo.filter_ratio=1.0", "ppo.mini_batch=8",
-        "ppo.steps=8", "ppo.actor_lr=1e-5", "ppo.critic_lr=1e-4", "ppo.val_every=0", "ppo.save_every=100",
-    ])
-    ppo.run(config)
-    rows = read_metrics(out)
-    print("reward per step:", [round(row["reward"], 3) for row in rows])
-    print("success per step:", [round(row["success"], 3) for row in rows])
-    assert sum(row["success"] for row in rows[-3:]) / 3 > sum(row["success"] for row in rows[:3]) / 3 + 0.2
