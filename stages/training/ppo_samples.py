@@ -139,9 +139,11 @@ def micro_batches(samples: list[Sample], token_budget: int, share: bool = False)
     (`stages.common.prefix_tree`): the instruction every episode shares and each group's first
     prompt are computed once. The samples are taken in token order (a group's episodes, which
     share their first prompt, side by side) and a micro-batch ends where the next sample would take
-    its packed length past ``token_budget`` (one sample longer than it goes alone). Every loss is
-    a weighted sum over steps with the mini-batch's normaliser (`stages.training.loss_agg`), so
-    neither the packing nor the grouping changes it.
+    its packed length, or the positions the LM head scores (every sample's steps, shared tokens
+    included: ``ppo.loss_mask: all`` scores the shared prompt once per episode), past
+    ``token_budget`` (one sample longer than it goes alone). Unshared, the padded size bounds both.
+    Every loss is a weighted sum over steps with the mini-batch's normaliser
+    (`stages.training.loss_agg`), so neither the packing nor the grouping changes it.
     """
     if share:
         return [[row] for row in _shared_rows(samples, token_budget)]
@@ -161,15 +163,15 @@ def _shared_rows(samples: list[Sample], token_budget: int) -> list[list[Sample]]
     tokens = [s.ids.tolist() for s in samples]
     rows: list[list[Sample]] = []
     row: list[Sample] = []
-    packed, previous = 0, []
+    packed, scored, previous = 0, 0, []
     for i in sorted(range(len(samples)), key=lambda i: (tokens[i], i)):
         added = len(tokens[i]) - prefix_tree.common_prefix_len(previous, tokens[i])  # sorted: the tree's growth
-        if row and packed + added > token_budget:
+        if row and max(packed + added, scored + samples[i].steps) > token_budget:
             rows.append(row)
             row, added = [], len(tokens[i])
-            packed = 0
+            packed, scored = 0, 0
         row.append(samples[i])
-        packed, previous = packed + added, tokens[i]
+        packed, scored, previous = packed + added, scored + samples[i].steps, tokens[i]
     if row:
         rows.append(row)
     return rows

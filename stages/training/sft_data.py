@@ -339,7 +339,8 @@ def rank_micro_batches(examples: list[Example], rank: int, world: int, micro_bat
 
     With `share` a rank's rows are taken in token order (rows that begin alike side by side) and
     cut into micro-batches whose prefix tree (`stages.common.prefix_tree`) holds at most
-    ``micro_batch_tokens`` tokens (a longer row goes alone). The rows of a step stay those the
+    ``micro_batch_tokens`` tokens and whose trained positions (where the LM head runs, once per row
+    even on shared tokens) are at most as many (a longer row goes alone). The rows of a step stay those the
     seeded shuffle chose; only their grouping into micro-batches changes, and the loss, the
     step's aggregate over its rows (`stages.training.loss_agg`), does not depend on it. Without `share`:
     rows packed first-fit decreasing up to the budget (`pack`, for flash-attention 2's varlen
@@ -369,14 +370,17 @@ def step_plan(examples: list[Example], world: int, micro_batch_tokens: int, pack
 def _shared_micro_batches(rows: list[int], examples: list[Example], budget: int) -> list[MicroBatch]:
     batches: list[MicroBatch] = []
     previous: list[int] = []
+    scored = 0  # the trained positions of the last micro-batch
     for r in sorted(rows, key=lambda j: (examples[j].input_ids, j)):
         tokens = examples[r].input_ids
         added = len(tokens) - common_prefix_len(previous, tokens)  # sorted: the tree's growth
-        if batches and batches[-1].tokens + added <= budget:
+        if batches and max(batches[-1].tokens + added, scored + examples[r].trained) <= budget:
             batches[-1].rows.append(r)
             batches[-1].tokens += added
+            scored += examples[r].trained
         else:
             batches.append(MicroBatch([r], tokens=len(tokens)))
+            scored = examples[r].trained
         previous = tokens
     return batches
 
