@@ -11,9 +11,9 @@ compare them):
                          weights            gradients             optimizer   step   CPU (offload)
     plain torch (0)      4                  4                     8           -      -
     ZeRO-1               2                  4, all of them        12/N        -      -
-    ZeRO-1 + offload     2                  2, all of them        -           -      16/N
+    ZeRO-1 + offload     2                  4, all of them        -           -      16/N
     ZeRO-2               2                  4/N                   12/N        -      -
-    ZeRO-2 + offload     2                  -                     -           -      16/N
+    ZeRO-2 + offload     2                  4/N                   -           -      16/N
     ZeRO-3               2/N + gathered     4/N, kept             12/N        -      -
     ZeRO-3 + offload     gathered           -                     -           -      18/N
 
@@ -26,7 +26,10 @@ through the backward. With bf16 weights every stage accumulates gradients in fp3
 `grad_accum_dtype`): ZeRO-1 is DeepSpeed's BF16_Optimizer, ZeRO-2 sums into an fp32 partition from
 the first micro-batch to the step (DeepSpeed >= 0.19.8), ZeRO-3 is its own optimizer; ZeRO-3
 allocates its gradient partition and its buckets once and keeps them, the others exist during the
-update only.
+update only. Offloading the optimizer moves its states, not the gradients' first home: ZeRO-2 still
+sums into its fp32 partition on the GPU and copies it to the CPU at the step (DeepSpeed 0.19.8's
+`copy_grads_in_partition`), ZeRO-1 keeps every parameter's fp32 `grad_accum` (an fp32 model: its
+fp32 gradients, kept on the GPU by neither).
 The buckets: the reduce bucket (twice with `overlap_comm`, which the engine turns on with several
 GPUs), in fp32 under ZeRO-1, and ZeRO-3's prefetch bucket. An fp32 model has 4-byte weights and
 gradients where the table says 2.
@@ -34,12 +37,17 @@ gradients where the table says 2.
 Activations are an estimate: the tensors a Llama/Qwen layer keeps for its backward, per token (bf16
 inputs of the attention and the MLP and their fp32 norms, queries, keys, values and the attention
 output, the MLP's gate, up, activation and product), in every layer, or with gradient checkpointing
-each layer's input and one layer recomputed at a time; plus the LM head at every position of the
-micro-batch (an upper bound: only the trained positions run it) in fp32 (SFT: bf16 logits, their fp32
-copy and the log-softmax, 10 bytes a vocabulary entry; PPO's update 16: fp32 logits, log-softmax,
-softmax and their product for the entropy; PPO's scoring pass, no gradients, 10). A micro-batch is
-`sft.max_length` tokens (one row), or with packing up to `sft.micro_batch_tokens`, and
-`ppo.micro_batch_tokens` for PPO. Attention is assumed to take memory linear in the tokens (SDPA or
+each layer's input and one layer recomputed at a time; plus the LM head's vocabulary-wide tensors
+at the positions it runs at once: a chunk of `stages.training.policy.head_chunk` positions (or all
+of a micro-batch's, when fewer), in fp32 (SFT: bf16 logits, their fp32 copy and the log-softmax, 10
+bytes a vocabulary entry; PPO's update 16: fp32 logits, log-softmax, softmax and their product for
+the entropy; PPO's scoring pass, no gradients, 10). `tests/test_memory_measured.py` checks the plain
+torch plans against the peak a CPU training step really allocates. A micro-batch
+holds at most `micro_batch_tokens` tokens and as many positions of the LM head (prefix sharing
+computes a shared token once but scores it once per row or episode: both are bounded), or one row or
+episode longer than that alone (`micro_batch_size`): SFT's longest row is `sft.max_length` (one row
+a micro-batch without packing or sharing), PPO's longest episode is planned from the rollout's
+settings (`longest_episode`). Attention is assumed to take memory linear in the tokens (SDPA or
 flash-attention, not eager).
 
 Rollouts: vLLM takes `rollout.gpu_memory_utilization` of the GPU, or with `rollout.kv_cache_gb` its
@@ -79,6 +87,11 @@ CUDA_CONTEXT = GiB // 2
 DEFAULT_GPU_GIB = 79.2
 #: Bytes a vocabulary entry takes at each position the LM head runs at (see the module docstring).
 SFT_HEAD_BYTES, PPO_HEAD_BYTES, SCORING_HEAD_BYTES = 10, 16, 10
+#: The environment's text of the longest episode, in tokens: the system prompt, the instruction and
+#: the first state (the shipped games: at most 573, Sokoban's hard room with the world-model prompt),
+#: then each later turn's reward, state and format reminder with the chat template's markup (at most
+#: 216, FrozenLake 6x6), with SmolLM2's tokenizer: `test_memory_measured` renders every shipped game's.
+EPISODE_PROMPT_TOKENS, EPISODE_TURN_TOKENS = 768, 256
 #: GPU counts `spa plan` tries when one GPU is too small.
 GPU_COUNTS = (2, 4, 8)
 STAGE_KINDS = ("generate", "sft", "ppo", "eval")
@@ -132,7 +145,9 @@ def model_states(params: int, gpus: int, zero: dict | None, weight_bytes: int = 
         return Holding(weights, 4 * params, shard(12))
     reduced = 4 if stage == 1 else w  # ZeRO-1 reduces in fp32, ZeRO-2 in the weights' precision
     buckets = reduced * int(zero["reduce_bucket_size"]) * (2 if zero.get("overlap_comm") else 1)
-    gradients = w * params if stage == 1 else (0 if offload else shard(4))
+    # ZeRO-1: every parameter's fp32 gradient (bf16 weights: the grad_accum it sums in); ZeRO-2: the
+    # fp32 partition, which an fp32 model under offload copies to the CPU parameter by parameter
+    gradients = 4 * params if stage == 1 else (0 if offload and w == 4 else shard(4))
     if offload:
         return Holding(weights, gradients, buckets=buckets, cpu=shard(16))
     # bf16 weights: the fp32 partition is the step's input; fp32 weights: the step copies it once more
@@ -145,11 +160,38 @@ def layer_bytes(shape: ModelShape, act_bytes: int = 2) -> int:
     return 2 * 4 * h + act_bytes * (2 * h + 2 * attention + 2 * kv + 4 * shape.intermediate)
 
 
+def longest_episode(config: SPAConfig) -> int:
+    """The tokens of the longest episode PPO may train on: every turn's generation limit and the
+    environment's text (`EPISODE_PROMPT_TOKENS`, `EPISODE_TURN_TOKENS`)."""
+    rollout = config.rollout
+    return (EPISODE_PROMPT_TOKENS + (rollout.max_turns - 1) * EPISODE_TURN_TOKENS
+            + rollout.max_turns * rollout.max_new_tokens)
+
+
+def micro_batch_size(kind: str, config: SPAConfig) -> int:
+    """The most tokens one forward and backward of stage `kind` ("sft" or "ppo") computes, and the most
+    positions its LM head scores: `micro_batch_tokens`, or the longest row or episode, which goes
+    alone into a micro-batch of its own (SFT without packing or sharing: one row each)."""
+    if kind == "sft":
+        s = config.sft
+        one_row_each = s.packing is False and not s.share_prefix
+        return s.max_length if one_row_each else max(s.max_length, s.micro_batch_tokens)
+    return max(config.ppo.micro_batch_tokens, longest_episode(config))
+
+
+def head_positions(shape: ModelShape, positions: int) -> int:
+    """The positions whose vocabulary-wide tensors exist at once: the LM head runs a chunk of them at
+    a time (`stages.training.policy.head_logprobs`)."""
+    from stages.training.policy import head_chunk
+
+    return min(positions, head_chunk(shape.vocab))
+
+
 def activations(shape: ModelShape, tokens: int, checkpointing: bool, head_bytes: int, act_bytes: int = 2) -> int:
     """A forward and backward over `tokens` tokens with the LM head at each of them."""
     per_layer = layer_bytes(shape, act_bytes)
     layers = (shape.layers * act_bytes * shape.hidden + per_layer if checkpointing else shape.layers * per_layer)
-    return tokens * (layers + head_bytes * shape.vocab)
+    return tokens * layers + head_positions(shape, tokens) * head_bytes * shape.vocab
 
 
 @dataclass
@@ -265,8 +307,7 @@ def _sft(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
                  plan.gpus, w)
     trained, frozen = (s.lora_rank * shape.lora_dims, shape.params) if s.lora_rank else (shape.params, 0)
     states = model_states(trained, plan.gpus, zero, w, frozen, shape.largest_module_params)
-    tokens = s.max_length if s.packing is False else max(s.max_length, s.micro_batch_tokens)
-    acts = activations(shape, tokens, s.gradient_checkpointing, SFT_HEAD_BYTES, w)
+    acts = activations(shape, micro_batch_size("sft", config), s.gradient_checkpointing, SFT_HEAD_BYTES, w)
     if zero is None and w == 2:
         acts += 2 * (trained + frozen)  # autocast's bf16 copies of the fp32 weights
     _record(plan, states, acts)
@@ -276,7 +317,7 @@ def _sft(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
 def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
     p, w = config.ppo, _weight_bytes(config)
     stage = p.engine_stage(on_cuda=True, processes=plan.gpus)
-    zero = _zero(stage, p.offload, p.grad_clip, "", plan.gpus, w)
+    zero = _zero(stage, p.offload, p.grad_clip, p.deepspeed_config, plan.gpus, w)
     with_critic = p.advantage != "grpo"
     shared = with_critic and p.critic == "shared"
     value_head = shape.hidden + 1
@@ -306,14 +347,16 @@ def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
         copies += 2 * shape.params  # the unsharded (or bf16) copy the hf backend plays with
         models.append("generator copy")
     plan.notes.append("holds " + ", ".join(models))
-    acts = activations(shape, p.micro_batch_tokens, p.gradient_checkpointing, PPO_HEAD_BYTES, w)
+    tokens = micro_batch_size("ppo", config)
+    acts = activations(shape, tokens, p.gradient_checkpointing, PPO_HEAD_BYTES, w)
     if zero is None and w == 2:
         acts += 2 * (shape.params + lora)  # autocast's bf16 copies of the actor's fp32 weights
     _record(plan, states, acts)
     plan.parts["weights"] += copies
     awake, start = _rollout_engine(plan, config, shape, hf_weights=False)
     scores_logits = p.kl_coef > 0 or p.old_logprobs == "trainer"
-    scoring = p.micro_batch_tokens * (layer_bytes(shape, w) + (SCORING_HEAD_BYTES * shape.vocab if scores_logits else 0))
+    scoring = tokens * layer_bytes(shape, w) + (
+        head_positions(shape, tokens) * SCORING_HEAD_BYTES * shape.vocab if scores_logits else 0)
     plan.parts["scoring"] = scoring
     resident = states.resident + copies + CUDA_CONTEXT
     plan.phases = {"rollout": resident + awake, "scoring": resident + awake + scoring,
@@ -334,8 +377,10 @@ def _candidates(kind: str, config: SPAConfig, shape: ModelShape, capacity: int) 
             found.append((f"{kind}.offload", True))
         if not section.gradient_checkpointing:
             found.append((f"{kind}.gradient_checkpointing", True))
-        if section.micro_batch_tokens >= 1024 and (kind == "ppo" or section.packing is not False):
-            found.append((f"{kind}.micro_batch_tokens", section.micro_batch_tokens // 2))
+        halved = section.micro_batch_tokens // 2
+        if micro_batch_size(kind, with_overrides(config, {f"{kind}.micro_batch_tokens": halved})) < \
+                micro_batch_size(kind, config):  # not where the longest row or episode sets the size
+            found.append((f"{kind}.micro_batch_tokens", halved))
     if kind != "sft" and config.rollout.backend == "vllm":
         share = _least_share(config, shape, capacity)
         if share < config.rollout.gpu_memory_utilization:
