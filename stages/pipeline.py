@@ -65,6 +65,7 @@ equal its stages, and take the variant's name where they differ. Layout of `pipe
     curves.png                   the training curves of sft/ and ppo/ (`spa plot`)
     pass_at_k.png                the Pass@k curves of the arms, with 95% bands
     ppo/<id>/val/pass_at_k.png   the Pass@k curves of a PPO run's validations (ppo.val_every), with 95% bands
+    validation.png               validation Pass@1 against step of every PPO run validated twice or more, 95% bands
     pipeline_state.json          the stages completed, under which fingerprint, in how many seconds,
                                  with what peak resident memory (`stages.common.rss`)
 
@@ -880,8 +881,9 @@ def write_table(the_plan: Plan) -> str:
 
 def write_plots(the_plan: Plan) -> None:
     """curves.png from the training runs' metrics (sft/ID, ppo/ID), pass_at_k.png from the arms'
-    eval reports, and ppo/ID/val/pass_at_k.png from each PPO run's validations (the paper's Fig. 7),
-    with 95% bands."""
+    eval reports, ppo/ID/val/pass_at_k.png from each PPO run's validations (the paper's Fig. 7), and
+    validation.png, the validation Pass@1 of every PPO run validated more than once against its
+    step, with 95% bands."""
     from stages.evaluation import plots
     from stages.evaluation.reports import load_report, validation_reports
 
@@ -891,10 +893,15 @@ def write_plots(the_plan: Plan) -> None:
     if arms:
         plots.plot_pass_at_k([load_report(the_plan.rows[arm.name].config.eval.out) for arm in arms],
                              the_plan.dir / "pass_at_k.png", [arm.label or arm.name for arm in arms])
+    curves = []
     for run in sorted(the_plan.dir.glob("ppo/*")):
         if steps := validation_reports(run):
             plots.plot_pass_at_k([load_report(path) for path in steps], run / "val" / "pass_at_k.png",
                                  [path.stem.replace("-", " ") for path in steps])
+        if len(steps) > 1:
+            curves.append((run.name, [(int(path.stem.removeprefix("step-")), load_report(path)) for path in steps]))
+    if curves:
+        plots.save_png(plots.validation_figure(curves), the_plan.dir / "validation.png")
 
 
 def _percent(value: float | None) -> str:

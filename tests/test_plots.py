@@ -201,3 +201,37 @@ def test_spa_plot_on_another_kind_of_file_says_what_it_expects(given, says, tmp_
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: {says}") and result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_a_one_step_run_gets_its_figures_written_not_a_dot_on_an_axis(tmp_path):
+    """A one-step PPO run (the demo's) has one point a panel: no panel draws it; its figures are
+    written under the panels. Its one-point validation (step 1 only) is written too."""
+    one_step = [{"step": 1, "reward": 0.19, "success": 0.0625, "entropy": 0.17,
+                 "val_pass@1": 0.1, "val_pass@2": 0.15}]
+    sft = write_rows(tmp_path / "sft" / "metrics.jsonl", sft_rows(4))
+    ppo = write_rows(tmp_path / "ppo" / "metrics.jsonl", one_step)
+    figure = plots.curves_figure(plots.read_runs([sft, ppo]))
+    assert list(visible_axes(figure)) == ["training loss", "validation loss", "learning rate"]
+    note = " ".join(figure.get_supxlabel().split())  # wrapped to the figure's width
+    assert note.startswith(f"{tmp_path / 'ppo'}, one point each: reward 0.19 (step 1); success (%) 6.2 (step 1)")
+    assert "validation Pass@1 (%) 10.0 (step 1)" in note and "entropy 0.17 (step 1)" in note
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == [str(tmp_path / "sft")]
+    alone = plots.curves_figure(plots.read_runs([ppo]))  # nothing to draw but the note
+    assert not visible_axes(alone) and alone.get_supxlabel().startswith(str(tmp_path / "ppo"))
+
+
+def test_the_validation_figure_draws_pass_at_1_against_step_with_its_band():
+    runs = [("spa", [(0, report("sft", [0, 1, 0, 2])), (10, report("sft", [2, 3, 4, 1]))]),
+            ("vanilla", [(10, report("base", [0, 0, 1, 0])), (0, report("base", [0, 0, 0, 0]))])]
+    (ax,) = plots.validation_figure(runs).axes
+    spa, vanilla = ax.get_lines()
+    assert list(spa.get_xdata()) == [0, 10] and list(vanilla.get_xdata()) == [0, 10]  # sorted by step
+    assert list(spa.get_ydata()) == pytest.approx([100 * 3 / 16, 100 * 10 / 16])
+    assert list(vanilla.get_ydata()) == pytest.approx([0.0, 100 / 16])
+    bands = [band for band in ax.collections]
+    assert len(bands) == 2
+    low, high = bands[0].get_paths()[0].vertices[:, 1].min(), bands[0].get_paths()[0].vertices[:, 1].max()
+    first = metrics.pass_at_k_band(report("sft", [0, 1, 0, 2])["per_seed"])[1]
+    last = metrics.pass_at_k_band(report("sft", [2, 3, 4, 1])["per_seed"])[1]
+    assert low == pytest.approx(100 * min(first[1], last[1])) and high == pytest.approx(100 * max(first[2], last[2]))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["spa", "vanilla"]

@@ -8,9 +8,14 @@ in every panel where the run has that figure, in the same colour everywhere, wit
 * sft: training loss, validation loss (at the end of each epoch), learning rate;
 * ppo: reward, success, validation Pass@1 and Pass@k (step 0 is the model before training), KL
   between the updated and the rollout policy (``ppo_kl``) and to the reference (``kl_ref``, when
-  ``ppo.kl_coef > 0``), entropy, clip fraction, response length.
+  ``ppo.kl_coef > 0``), entropy, clip fraction, response length, and the collapse diagnostics
+  (`stages.evaluation.collapse`): distinct responses in a group, repeated 4-grams, input dependence.
 
-Rates are drawn in percent, as every table of spa prints them.
+`validation_figure` draws the validation Pass@1 of PPO runs against their step, each point with its
+95% bootstrap band over the eval puzzles (the pipeline's ``validation.png``).
+
+Rates are drawn in percent, as every table of spa prints them. A run with one point in a panel
+(a one-step PPO run's reward, say) draws no curve there: its figures are written under the panels.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +129,9 @@ PANELS = (
     Panel("entropy", "ppo", _key("entropy")),
     Panel("clip fraction (%)", "ppo", _key("clip_frac"), percent=True),
     Panel("response length (tokens)", "ppo", _key("response_length")),
+    Panel("distinct responses in a group (%)", "ppo", _key("distinct_in_group"), percent=True),
+    Panel("repeated 4-grams (%)", "ppo", _key("repeated_ngrams"), percent=True),
+    Panel("input dependence", "ppo", _key("input_dependence")),
 )
 
 
@@ -184,6 +193,7 @@ def curves_figure(runs: Sequence[Run]) -> Any:
     from matplotlib.ticker import MaxNLocator
 
     drawn = []
+    single: dict[str, list[str]] = {}  # run label -> its figures at its one point, written, not drawn
     for panel in PANELS:
         lines = []
         for index, run in enumerate(runs):
@@ -191,15 +201,22 @@ def curves_figure(runs: Sequence[Run]) -> Any:
                 continue
             points = [(row["step"], value) for row in run.rows
                       if isinstance(value := panel.value(row), (int, float)) and math.isfinite(value)]
-            if points:
+            if len(points) == 1:  # one point is no curve: a dot on an axis would read as one
+                step, value = points[0]
+                shown = f"{100 * value:.1f}" if panel.percent else f"{value:.3g}"
+                single.setdefault(run.label, []).append(f"{panel.title} {shown} (step {step})")
+            elif points:
                 lines.append((index, run.label, points))
         if lines:
             drawn.append((panel, lines))
-    if not drawn:
+    if not drawn and not single:
         raise UserError("the runs have no figure to plot yet (their metrics.jsonl hold no step)")
-    rows = math.ceil(len(drawn) / COLUMNS)
+    rows = max(1, math.ceil(len(drawn) / COLUMNS))
     figure, axes = pyplot.subplots(rows, COLUMNS, squeeze=False, layout="constrained",
                                    figsize=(COLUMNS * PANEL_SIZE[0], rows * PANEL_SIZE[1]))
+    if single:
+        notes = [f"{label}, one point each: " + "; ".join(figures) for label, figures in single.items()]
+        figure.supxlabel("\n".join(textwrap.fill(note, 150) for note in notes), fontsize="small")
     handles: dict[int, Any] = {}  # run index -> its line, for the legend
     for ax, (panel, lines) in zip(axes.flat, drawn):
         for index, label, points in lines:
@@ -217,14 +234,38 @@ def curves_figure(runs: Sequence[Run]) -> Any:
     for ax in list(axes.flat)[len(drawn):]:
         ax.set_visible(False)
     ordered = [handles[index] for index in sorted(handles)]
-    figure.legend(ordered, [line.get_label() for line in ordered], loc="outside upper center",
-                  ncol=min(len(ordered), 4), fontsize="small")
+    if ordered:
+        figure.legend(ordered, [line.get_label() for line in ordered], loc="outside upper center",
+                      ncol=min(len(ordered), 4), fontsize="small")
     return figure
 
 
 def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
     """Draw the training curves of `runs` into the PNG `path`."""
     return save_png(curves_figure(runs), path)
+
+
+def validation_figure(runs: Sequence[tuple[str, Sequence[tuple[int, dict]]]]) -> Any:
+    """Validation Pass@1 against PPO step, one line per run (``(label, [(step, eval report)])``),
+    with the 95% band of each point from resampling the eval puzzles (`metrics.pass_at_k_band`)."""
+    from matplotlib.ticker import MaxNLocator
+
+    pyplot = _pyplot()
+    figure, axes = pyplot.subplots(figsize=(6, 4), layout="constrained")
+    for index, (label, reports) in enumerate(runs):
+        points = sorted((step, metrics.pass_at_k_band(report["per_seed"])[1]) for step, report in reports)
+        steps = [step for step, _ in points]
+        value, low, high = ([100 * band[i] for _, band in points] for i in range(3))
+        axes.plot(steps, value, marker="o", markersize=3, color=f"C{index % 10}", label=label)
+        axes.fill_between(steps, low, high, color=f"C{index % 10}", alpha=0.15, linewidth=0)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    envs_ = sorted({report["settings"]["env"] for _, reports in runs for _, report in reports})
+    axes.set(xlabel="PPO step", ylabel="validation Pass@1 (%)",
+             title=f"Validation Pass@1 on {', '.join(envs_)} (bands: 95%, puzzles resampled)")
+    axes.title.set_fontsize("medium")
+    axes.grid(alpha=0.3)
+    axes.legend(loc="upper left", fontsize="small")
+    return figure
 
 
 # ---- Pass@k ----------------------------------------------------------------------------------------
