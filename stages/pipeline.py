@@ -846,7 +846,8 @@ def write_table(the_plan: Plan) -> str:
     coordinates, the paper's Table 1), the headline of the probe of the arm's final model when
     probed (`eval.probe_states`: exact and cell accuracy where the action changes the state, and how
     often the true next state is more likely than the copy) and each arm's Pass@1 and Pass@k minus
-    the first arm's, with the 95% interval of `spa eval compare` (the same puzzles resampled for both)."""
+    the first arm's, with the 95% interval of `spa eval compare` (the same puzzles resampled for both);
+    under it, the PPO steps each RL arm had."""
     from stages import probe
     from stages.evaluation.reports import compare_rows
     from stages.evaluation.tables import difference
@@ -874,9 +875,23 @@ def write_table(the_plan: Plan) -> str:
         figures += [difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"])]
         lines.append(f"| {labels[name]} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"
+    if trained := _ppo_budgets(the_plan, names, labels):
+        table += f"\nPPO: {'; '.join(trained)}.\n"
     with artifacts.atomic_write(the_plan.dir / "table.md") as handle:
         handle.write(table)
     return table
+
+
+def _ppo_budgets(the_plan: Plan, names: list[str], labels: dict[str, str]) -> list[str]:
+    """How much RL each arm of the table had (a one-step run is a smoke test, not RL's effect)."""
+    budgets = []
+    for name in names:
+        ppo = the_plan.rows[name].upstream
+        if ppo is not None and ppo.kind == "ppo":
+            rollout, steps = ppo.config.rollout, ppo.config.ppo.steps
+            budgets.append(f"{labels[name]} after {steps} step{'s' if steps > 1 else ''} of "
+                           f"{rollout.groups} x {rollout.group_size} episodes")
+    return budgets
 
 
 def write_plots(the_plan: Plan) -> None:

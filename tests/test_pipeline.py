@@ -354,7 +354,9 @@ def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
     run_dir, result = finished
     table = (run_dir / "table.md").read_text()
     assert table == result["table"]
-    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table.splitlines()]
+    grid, note = table.split("\n\n")
+    assert note == "PPO: + Vanilla RL after 1 step of 2 x 2 episodes; + SPA after 1 step of 2 x 2 episodes.\n"
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in grid.splitlines()]
     assert rows[0] == ["sokoban", "Pass@1", "Pass@2", "observation exact", "prediction exact",
                        "prediction exact, state changed", "prediction cells",
                        "Pass@1 vs base model [95%]", "Pass@2 vs base model [95%]"]
