@@ -39,9 +39,10 @@ inputs of the attention and the MLP and their fp32 norms, queries, keys, values 
 output, the MLP's gate, up, activation and product), in every layer, or with gradient checkpointing
 each layer's input and one layer recomputed at a time; plus the LM head's vocabulary-wide tensors
 at the positions it runs at once: a chunk of `stages.training.policy.head_chunk` positions (or all
-of a micro-batch's, when fewer), in fp32 (SFT: bf16 logits, their fp32 copy and the log-softmax, 10
-bytes a vocabulary entry; PPO's update 16: fp32 logits, log-softmax, softmax and their product for
-the entropy; PPO's scoring pass, no gradients, 10). `tests/test_memory_measured.py` checks the plain
+of a micro-batch's, when fewer), in fp32: SFT's step and PPO's update run the same head path, whose
+checkpointed chunk holds up to 16 bytes a vocabulary entry in its backward (the recomputed logits,
+the log-softmax, its gradient and the logits'); PPO's scoring pass, no gradients, 10 (bf16 logits,
+their fp32 copy and the log-softmax). `tests/test_memory_measured.py` checks the plain
 torch plans against the peak a CPU training step really allocates. A micro-batch
 holds at most `micro_batch_tokens` tokens and as many positions of the LM head (prefix sharing
 computes a shared token once but scores it once per row or episode: both are bounded), or one row or
@@ -86,7 +87,7 @@ CUDA_CONTEXT = GiB // 2
 #: The GPU planned for when none is named and none is here: an 80 GB A100 or H100.
 DEFAULT_GPU_GIB = 79.2
 #: Bytes a vocabulary entry takes at each position the LM head runs at (see the module docstring).
-SFT_HEAD_BYTES, PPO_HEAD_BYTES, SCORING_HEAD_BYTES = 10, 16, 10
+UPDATE_HEAD_BYTES, SCORING_HEAD_BYTES = 16, 10
 #: The environment's text of the longest episode, in tokens: the system prompt, the instruction and
 #: the first state (the shipped games: at most 573, Sokoban's hard room with the world-model prompt),
 #: then each later turn's reward, state and format reminder with the chat template's markup (at most
@@ -307,7 +308,7 @@ def _sft(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
                  plan.gpus, w)
     trained, frozen = (s.lora_rank * shape.lora_dims, shape.params) if s.lora_rank else (shape.params, 0)
     states = model_states(trained, plan.gpus, zero, w, frozen, shape.largest_module_params)
-    acts = activations(shape, micro_batch_size("sft", config), s.gradient_checkpointing, SFT_HEAD_BYTES, w)
+    acts = activations(shape, micro_batch_size("sft", config), s.gradient_checkpointing, UPDATE_HEAD_BYTES, w)
     if zero is None and w == 2:
         acts += 2 * (trained + frozen)  # autocast's bf16 copies of the fp32 weights
     _record(plan, states, acts)
@@ -348,7 +349,7 @@ def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
         models.append("generator copy")
     plan.notes.append("holds " + ", ".join(models))
     tokens = micro_batch_size("ppo", config)
-    acts = activations(shape, tokens, p.gradient_checkpointing, PPO_HEAD_BYTES, w)
+    acts = activations(shape, tokens, p.gradient_checkpointing, UPDATE_HEAD_BYTES, w)
     if zero is None and w == 2:
         acts += 2 * (shape.params + lora)  # autocast's bf16 copies of the actor's fp32 weights
     _record(plan, states, acts)
