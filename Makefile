@@ -90,13 +90,14 @@ demo: $(DEMO_STAMP)
 	$(BIN)/spa pipeline --config $(DEMO_CONFIG) $(DEMO_SET)
 
 # A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): the arms of its Table 2
-# (base, state_estimation, vanilla_rl, state_estimation_rl, spa_sft, spa) and the masked-state
-# control (spa_masked_sft, spa_masked) on Sokoban and FrozenLake, 32 eval puzzles x 4 samples
-# (docs/experiments.md). Run it in the background (`nohup make repro-cpu > repro.log 2>&1 &`); it
-# resumes where it stopped.
+# without RL (base, state_estimation, spa_sft) and the masked-state control (spa_masked_sft) on
+# Sokoban and FrozenLake, 32 eval puzzles x 4 samples; then RL on FrozenLake (rl_frozen_lake.yaml:
+# spa_sft, SPA and Vanilla RL with validation curves) (docs/experiments.md). Run it in the
+# background (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
 repro-cpu: install
 	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml
+	$(BIN)/spa pipeline --config configs/repro_cpu/rl_frozen_lake.yaml
 
 bench: install
 	$(BIN)/pip install --quiet -e '.[bench]'
