@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,20 @@ def test_yaml_is_loaded_safely(tmp_path):
     path.write_text("quiet: !!python/object/apply:os.system ['echo hi']\n")
     with pytest.raises(UserError, match="not valid YAML"):
         load_config(path)
+
+
+@pytest.mark.parametrize("file_stage, setting, trained", [(3, "auto", 3), (1, 2, 1), (None, "auto", 0), (3, 0, 0)])
+def test_the_engine_stage_is_the_deepspeed_files_own_under_deepspeed(tmp_path, file_stage, setting, trained):
+    """The engine keeps a user DeepSpeed file's stage (`engine.deepspeed_config`); what the run records
+    and plans (a ZeRO-3 run's unsharded generator copy) must name that stage too. Plain torch (0)
+    reads no file."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": file_stage}} if file_stage is not None else {}))
+    section = load_config(None, [f"ppo.zero_stage={setting}", f"ppo.deepspeed_config={path}"]).ppo
+    assert section.engine_stage(on_cuda=True, processes=1) == trained
+
+
+def test_an_unreadable_deepspeed_file_is_one_line(tmp_path):
+    section = load_config(None, [f"ppo.deepspeed_config={tmp_path / 'missing.json'}"]).ppo
+    with pytest.raises(UserError, match=r"^DeepSpeed config .*missing.json does not exist$"):
+        section.engine_stage(on_cuda=True, processes=1)

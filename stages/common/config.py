@@ -275,8 +275,9 @@ class TrainingConfig(_Section):
     grad_clip: float = setting(1.0, ge=0, help="Clip the gradient's global norm to this (0: no clipping).",
                                paper="1.0")
     micro_batch_tokens: int = setting(4096, ge=1, help=(
-        "Tokens of one forward and backward pass (rows or episodes are grouped up to it; gradients "
-        "accumulate over the passes of a step): bounds activation memory without changing the loss."))
+        "Tokens of one forward and backward pass (rows or episodes are grouped up to it, and so are the "
+        "positions the LM head scores; gradients accumulate over the passes of a step): bounds activation "
+        "memory without changing the loss."))
     loss_agg: LossAgg = setting("token-mean", help=(
         "How a step's token losses make its loss (verl's loss_agg_mode, over the whole batch whatever the "
         "micro-batching and ranks; a sequence is an SFT row or a PPO episode): \"token-mean\" (every token "
@@ -294,10 +295,20 @@ class TrainingConfig(_Section):
 
     def engine_stage(self, on_cuda: bool, processes: int) -> int:
         """`zero_stage` as trained: "auto" is ZeRO-2 on CUDA or over several processes, plain torch (0)
-        for one process on the CPU."""
-        if self.zero_stage != "auto":
-            return self.zero_stage
-        return 2 if on_cuda or processes > 1 else 0
+        for one process on the CPU; under DeepSpeed, your `deepspeed_config` file's stage, which the
+        engine keeps (DeepSpeed's default, 0, where the file names none)."""
+        stage = self.zero_stage if self.zero_stage != "auto" else 2 if on_cuda or processes > 1 else 0
+        if stage == 0 or not self.deepspeed_config:
+            return stage
+        import json
+
+        try:
+            zero = json.loads(Path(self.deepspeed_config).read_text(encoding="utf-8")).get("zero_optimization", {})
+        except FileNotFoundError:
+            raise UserError(f"DeepSpeed config {self.deepspeed_config} does not exist") from None
+        except (OSError, json.JSONDecodeError, AttributeError) as err:
+            raise UserError(f"cannot read DeepSpeed config {self.deepspeed_config}: {err}") from None
+        return int(zero.get("stage", 0))
 
 
 @dataclass
