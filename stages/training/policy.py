@@ -1,4 +1,4 @@
-"""The two networks PPO trains, as the trainer sees them.
+"""The two networks PPO trains, as the trainer sees them (and SFT's, the first of them).
 
 * `StepPolicy` wraps the actor (a causal LM): log-probs (and entropies) of given tokens at given
   positions, at the sampling temperature.
@@ -35,7 +35,8 @@ HEAD_CHUNK_BYTES = 64 * 2**20
 
 
 class StepPolicy(nn.Module):
-    """The actor as the trainer sees it: log-probs (and entropies) of given tokens at given positions.
+    """The actor (or SFT's model) as the trainer sees it: log-probs (and entropies) of given tokens at
+    given positions.
 
     The LM head runs only on the requested positions, a chunk of them at a time (`head_logprobs`),
     when the model's logits are a plain linear map of its last hidden state (checked once on a
