@@ -211,6 +211,26 @@ def test_trainer_states_load_weights_only_and_refuse_a_payload(zero_stage, tiny_
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2], ids=["plain-torch", "deepspeed-zero2"])
+def test_a_state_saved_for_another_module_layout_is_one_line(zero_stage, tiny_model_dir, tmp_path):
+    """A state whose weights are named for another wrapping of the model (spa sft trains a StepPolicy
+    around the model, whose weights are named lm.*) is refused in one line, not torch's key list."""
+    from stages.common.config import ModelConfig
+    from stages.common.errors import UserError
+    from stages.common.models import load_model
+    from stages.training import engine as eng
+
+    engine_and_state(tiny_model_dir, zero_stage).save_state(tmp_path / "state", {})
+    model, _ = load_model(ModelConfig(name=str(tiny_model_dir), device="cpu", dtype="float32"))
+    settings = eng.OptimSettings(1e-3, (0.9, 0.95), 0.0, 1.0, total_steps=4, warmup_ratio=0.0)
+    dist = eng.setup_distributed("cpu", use_deepspeed=zero_stage > 0)
+    wrapped = eng.build_engine(torch.nn.ModuleDict({"lm": model}), settings, dist, zero_stage)
+    with pytest.raises(UserError, match=r"^\S+state holds a training state whose weights do not fit this model "
+                                        r"\(Error\(s\) in loading state_dict for ModuleDict:\); start the run "
+                                        r"again without --resume, or resume it with the spa version that saved it$"):
+        wrapped.load_state(tmp_path / "state")
+
+
 # ---- configs and model answers ------------------------------------------------------------------
 
 

@@ -253,6 +253,14 @@ def _optimizer(model, settings: OptimSettings, device: str, cpu_adam: bool = Fal
 # ---- engines -----------------------------------------------------------------------------------
 
 
+def state_mismatch(path: Path, err: RuntimeError) -> UserError:
+    """A saved training state whose weights are not the module's (another model, or a state saved by a
+    spa that wrapped the model otherwise): one line, not torch's list of keys."""
+    first = str(err).strip().splitlines()[0]
+    return UserError(f"{path} holds a training state whose weights do not fit this model ({first}); start "
+                     "the run again without --resume, or resume it with the spa version that saved it")
+
+
 class TorchEngine:
     """Plain torch: the model, fused AdamW, a LambdaLR, clipping, optional bf16 autocast."""
 
@@ -299,7 +307,10 @@ class TorchEngine:
 
     def load_state(self, path: Path) -> dict:
         state = load_weights_only(path / STATE_FILE, map_location=self.device)
-        self.module.load_state_dict(state["model"])
+        try:
+            self.module.load_state_dict(state["model"])
+        except RuntimeError as err:
+            raise state_mismatch(path, err) from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         return state["client"]
@@ -367,8 +378,13 @@ class DeepSpeedEngine:
             self.engine.save_checkpoint(str(path), tag=DS_TAG, client_state={"client": client}, save_latest=False)
 
     def load_state(self, path: Path) -> dict:
-        loaded, client = self.engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                                     load_lr_scheduler_states=True)
+        try:
+            loaded, client = self.engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=True)
+        except RuntimeError as err:
+            if "state_dict" not in str(err):  # only a saved layout that is not the module's is the user's to fix
+                raise
+            raise state_mismatch(path, err) from None
         if loaded is None:
             raise UserError(f"{path} holds no DeepSpeed state to resume from")
         return client["client"]
