@@ -157,3 +157,13 @@ def assert_same_weights(after: dict, expected: dict, before: dict, tolerance: fl
     difference = sum(float((after[key].double() - expected[key].double()).square().sum()) for key in expected)
     update = sum(float((expected[key].double() - before[key].double()).square().sum()) for key in expected)
     assert update > 0 and difference <= tolerance**2 * update, (difference**0.5 / update**0.5, tolerance)
+
+
+class FakeClock:
+    """A clock for monkeypatching `time.monotonic` / `time.perf_counter`: it reads `now`, which the test moves."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -6,6 +6,7 @@ import io
 import math
 
 import pytest
+from helpers import FakeClock
 
 from stages.common import console as console_module
 from stages.common import rss, runs
@@ -15,14 +16,6 @@ from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
 
 # ---- console -------------------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

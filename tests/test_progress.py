@@ -7,6 +7,7 @@ import io
 from types import SimpleNamespace
 
 import pytest
+from helpers import FakeClock
 
 from stages.agent import proxy
 from stages.agent.proxy import RolloutMeter, rollout_eta
@@ -25,18 +26,10 @@ def test_no_eta_before_an_episode_has_finished():
     assert rollout_eta(seconds=0.0, finished=0, planned=0) is None
 
 
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch):
     """One fake clock for the progress line (monotonic) and the meter (perf_counter)."""
-    fake = Clock()
+    fake = FakeClock()
     monkeypatch.setattr(console_module.time, "monotonic", fake)
     monkeypatch.setattr(proxy.time, "perf_counter", fake)
     return fake
