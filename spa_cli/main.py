@@ -588,16 +588,28 @@ def plot(
     runs: Annotated[list[Path], typer.Argument(help="Run directories (sft, ppo or pipeline) or metrics.jsonl "
                                                "files; several are overlaid.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")] = Path("curves.png"),
+    validation: Annotated[bool, typer.Option("--validation", help=(
+        "Draw instead the validation Pass@1 of ppo run directories against their step, with 95% bands "
+        "(their val/ reports)."))] = False,
 ) -> None:
     """Draw the training curves of sft, ppo or pipeline runs into a PNG.
 
     SFT loss, validation loss and learning rate; PPO reward, success, validation Pass@1 and Pass@k,
-    KL, entropy, clip fraction and response length, against the step."""
+    KL, entropy, clip fraction, response length and the collapse diagnostics, against the step."""
+    from stages.common.errors import UserError
     from stages.evaluation import plots
 
     plots.check_plot(out, "--out")
-    path = plots.plot_curves(plots.read_runs(runs), out)
-    typer.echo(f"curves of {len(runs)} run(s) in {path}")
+    if validation:
+        found = plots.read_validations(runs)
+        if len(found) < len(runs):
+            missing = sorted({str(run) for run in runs} - {label for label, _ in found})
+            raise UserError(f"{', '.join(missing)} holds no validation report (val/step-N.json); --validation "
+                            "expects ppo run directories validated with ppo.val_every")
+        path = plots.save_png(plots.validation_figure(found), out)
+    else:
+        path = plots.plot_curves(plots.read_runs(runs), out)
+    typer.echo(f"{'validation' if validation else 'curves'} of {len(runs)} run(s) in {path}")
 
 
 @app.command()

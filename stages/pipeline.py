@@ -908,14 +908,12 @@ def write_plots(the_plan: Plan) -> None:
     if arms:
         plots.plot_pass_at_k([load_report(the_plan.rows[arm.name].config.eval.out) for arm in arms],
                              the_plan.dir / "pass_at_k.png", [arm.label or arm.name for arm in arms])
-    curves = []
-    for run in sorted(the_plan.dir.glob("ppo/*")):
+    ppo_runs = sorted(the_plan.dir.glob("ppo/*"))
+    for run in ppo_runs:
         if steps := validation_reports(run):
             plots.plot_pass_at_k([load_report(path) for path in steps], run / "val" / "pass_at_k.png",
                                  [path.stem.replace("-", " ") for path in steps])
-        if len(steps) > 1:
-            curves.append((run.name, [(int(path.stem.removeprefix("step-")), load_report(path)) for path in steps]))
-    if curves:
+    if curves := plots.read_validations(ppo_runs, [run.name for run in ppo_runs], at_least=2):
         plots.save_png(plots.validation_figure(curves), the_plan.dir / "validation.png")
 
 

@@ -235,3 +235,36 @@ def test_the_validation_figure_draws_pass_at_1_against_step_with_its_band():
     last = metrics.pass_at_k_band(report("sft", [2, 3, 4, 1])["per_seed"])[1]
     assert low == pytest.approx(100 * min(first[1], last[1])) and high == pytest.approx(100 * max(first[2], last[2]))
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["spa", "vanilla"]
+
+
+def write_validations(run: Path, counts: dict[int, list[int]]) -> Path:
+    """A ppo run directory whose val/step-N.json reports hold `counts` (successes per puzzle, of 4)."""
+    from stages.evaluation.reports import REPORT_FORMAT, REPORT_VERSION
+
+    (run / "val").mkdir(parents=True)
+    for step, successes in counts.items():
+        body = report("m", successes) | {"format": REPORT_FORMAT, "format_version": REPORT_VERSION}
+        (run / "val" / f"step-{step}.json").write_text(json.dumps(body))
+    return run
+
+
+def test_spa_plot_validation_draws_each_ppo_runs_validation_pass_at_1(tmp_path):
+    first = write_validations(tmp_path / "a", {0: [0, 1, 0, 2], 10: [2, 3, 4, 1], 5: [1, 1, 1, 1]})
+    second = write_validations(tmp_path / "b", {0: [0, 0, 0, 0], 10: [0, 0, 1, 0]})
+    out = tmp_path / "validation.png"
+    result = runner.invoke(app, ["plot", str(first), str(second), "--validation", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"validation of 2 run(s) in {out}\n"
+    assert png_size(out) == (600, 400)
+    (ax,) = plots.validation_figure(plots.read_validations([first, second])).axes
+    assert [list(line.get_xdata()) for line in ax.get_lines()] == [[0, 5, 10], [0, 10]]
+    assert [line.get_label() for line in ax.get_lines()] == [str(first), str(second)]
+
+
+def test_spa_plot_validation_refuses_a_run_without_validations_in_one_line(tmp_path):
+    first = write_validations(tmp_path / "a", {0: [0, 1]})
+    (tmp_path / "b").mkdir()
+    result = runner.invoke(app, ["plot", str(first), str(tmp_path / "b"), "--validation"])
+    assert result.exit_code == 2
+    assert result.output == (f"error: {tmp_path / 'b'} holds no validation report (val/step-N.json); --validation "
+                             "expects ppo run directories validated with ppo.val_every\n")

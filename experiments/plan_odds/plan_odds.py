@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from envs.frozen_lake import FrozenLakeEnv
 from stages.agent.states import grid_cells
 from stages.common.artifacts import read_jsonl
+from stages.common.errors import UserError
 from stages.evaluation.metrics import bootstrap
 
 
@@ -96,4 +97,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as err:
+        sys.exit(f"error: {err}")

@@ -245,6 +245,21 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
     return save_png(curves_figure(runs), path)
 
 
+def read_validations(ppo_dirs: Sequence[str | Path], labels: Sequence[str] | None = None,
+                     at_least: int = 1) -> list[tuple[str, list[tuple[int, dict]]]]:
+    """The validation reports (``val/step-N.json``) of the PPO run directories `ppo_dirs` with at least
+    `at_least` of them, as `validation_figure` takes them, labelled by `labels` (default the paths)."""
+    from stages.evaluation.reports import load_report, validation_reports
+
+    runs = []
+    for index, directory in enumerate(ppo_dirs):
+        steps = validation_reports(directory) if Path(directory).is_dir() else []
+        if len(steps) >= at_least:
+            label = labels[index] if labels else str(directory)
+            runs.append((label, [(int(path.stem.removeprefix("step-")), load_report(path)) for path in steps]))
+    return runs
+
+
 def validation_figure(runs: Sequence[tuple[str, Sequence[tuple[int, dict]]]]) -> Any:
     """Validation Pass@1 against PPO step, one line per run (``(label, [(step, eval report)])``),
     with the 95% band of each point from resampling the eval puzzles (`metrics.pass_at_k_band`)."""
