@@ -590,7 +590,7 @@ def plot(
     out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write.")] = Path("curves.png"),
     validation: Annotated[bool, typer.Option("--validation", help=(
         "Draw instead the validation Pass@1 of ppo run directories against their step, with 95% bands "
-        "(their val/ reports)."))] = False,
+        "(their val/ reports)."), show_default="false")] = False,
 ) -> None:
     """Draw the training curves of sft, ppo or pipeline runs into a PNG.
 
