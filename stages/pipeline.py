@@ -900,7 +900,7 @@ def write_plots(the_plan: Plan) -> None:
     validation.png, the validation Pass@1 of every PPO run validated more than once against its
     step, with 95% bands."""
     from stages.evaluation import plots
-    from stages.evaluation.reports import load_report, validation_reports
+    from stages.evaluation.reports import load_report
 
     with contextlib.suppress(UserError):  # no training stage in this run: no curves
         plots.plot_curves(plots.runs_in(the_plan.dir), the_plan.dir / "curves.png")
@@ -909,11 +909,12 @@ def write_plots(the_plan: Plan) -> None:
         plots.plot_pass_at_k([load_report(the_plan.rows[arm.name].config.eval.out) for arm in arms],
                              the_plan.dir / "pass_at_k.png", [arm.label or arm.name for arm in arms])
     ppo_runs = sorted(the_plan.dir.glob("ppo/*"))
+    validated = dict(plots.read_validations(ppo_runs, [run.name for run in ppo_runs]))
     for run in ppo_runs:
-        if steps := validation_reports(run):
-            plots.plot_pass_at_k([load_report(path) for path in steps], run / "val" / "pass_at_k.png",
-                                 [path.stem.replace("-", " ") for path in steps])
-    if curves := plots.read_validations(ppo_runs, [run.name for run in ppo_runs], at_least=2):
+        if steps := validated.get(run.name):
+            plots.plot_pass_at_k([report for _, report in steps], run / "val" / "pass_at_k.png",
+                                 [f"step {step}" for step, _ in steps])
+    if curves := [(name, steps) for name, steps in validated.items() if len(steps) > 1]:
         plots.save_png(plots.validation_figure(curves), the_plan.dir / "validation.png")
 
 

@@ -268,3 +268,23 @@ def test_spa_plot_validation_refuses_a_run_without_validations_in_one_line(tmp_p
     assert result.exit_code == 2
     assert result.output == (f"error: {tmp_path / 'b'} holds no validation report (val/step-N.json); --validation "
                              "expects ppo run directories validated with ppo.val_every\n")
+
+
+def test_the_pipeline_draws_each_validated_runs_pass_at_k_and_the_curves_of_those_validated_twice(tmp_path,
+                                                                                                 monkeypatch):
+    from types import SimpleNamespace
+
+    from stages import pipeline
+
+    write_validations(tmp_path / "ppo" / "spa", {0: [0, 1, 0, 2], 5: [2, 3, 4, 1]})
+    write_validations(tmp_path / "ppo" / "once", {1: [1, 1, 1, 1]})
+    (tmp_path / "ppo" / "unvalidated").mkdir()
+    drawn = []
+    monkeypatch.setattr(plots, "validation_figure", lambda runs: drawn.append(runs) or plots.pass_at_k_figure([]))
+    pipeline.write_plots(SimpleNamespace(dir=tmp_path, arms=[], rows={}))
+    assert (tmp_path / "ppo" / "spa" / "val" / "pass_at_k.png").is_file()
+    assert (tmp_path / "ppo" / "once" / "val" / "pass_at_k.png").is_file()
+    assert not (tmp_path / "ppo" / "unvalidated" / "val").exists()
+    [runs] = drawn  # one figure, of the run validated more than once
+    assert [(label, [step for step, _ in steps]) for label, steps in runs] == [("spa", [0, 5])]
+    assert (tmp_path / "validation.png").is_file()

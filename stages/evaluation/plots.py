@@ -245,16 +245,15 @@ def plot_curves(runs: Sequence[Run], path: str | Path) -> Path:
     return save_png(curves_figure(runs), path)
 
 
-def read_validations(ppo_dirs: Sequence[str | Path], labels: Sequence[str] | None = None,
-                     at_least: int = 1) -> list[tuple[str, list[tuple[int, dict]]]]:
-    """The validation reports (``val/step-N.json``) of the PPO run directories `ppo_dirs` with at least
-    `at_least` of them, as `validation_figure` takes them, labelled by `labels` (default the paths)."""
+def read_validations(ppo_dirs: Sequence[str | Path],
+                     labels: Sequence[str] | None = None) -> list[tuple[str, list[tuple[int, dict]]]]:
+    """The validation reports (``val/step-N.json``, by step) of those of the PPO run directories
+    `ppo_dirs` that have some, as `validation_figure` takes them, labelled by `labels` (default the paths)."""
     from stages.evaluation.reports import load_report, validation_reports
 
     runs = []
     for index, directory in enumerate(ppo_dirs):
-        steps = validation_reports(directory) if Path(directory).is_dir() else []
-        if len(steps) >= at_least:
+        if steps := validation_reports(directory) if Path(directory).is_dir() else []:
             label = labels[index] if labels else str(directory)
             runs.append((label, [(int(path.stem.removeprefix("step-")), load_report(path)) for path in steps]))
     return runs
