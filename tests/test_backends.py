@@ -165,13 +165,29 @@ def test_batch_with_different_lengths_equals_one_by_one(model, tokenizer):
 
 
 def test_matches_model_generate(model, tokenizer):
-    ids = random_ids(random.Random(4), 20)
-    out = fresh(model, tokenizer, GenerationRequest("a", ids), GREEDY)
-    with torch.inference_mode():
-        reference = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                   do_sample=False, max_new_tokens=GREEDY.max_new_tokens,
-                                   pad_token_id=tokenizer.pad_token_id)
-    assert out.token_ids == reference[0, len(ids):].tolist()
+    """The backend (batched, cached, its linear layers through oneDNN on a CPU) picks the greedy
+    tokens of transformers' own generate, one request at a time with the stock layers."""
+    rng = random.Random(4)
+    requests = [GenerationRequest(f"a{i}", random_ids(rng, n)) for i, n in enumerate([20, 7, 33])]
+    outputs = HFBackend(model, tokenizer).generate(requests, GREEDY)
+    for request, out in zip(requests, outputs):
+        ids = request.prompt_ids
+        with torch.inference_mode():
+            reference = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       do_sample=False, max_new_tokens=GREEDY.max_new_tokens,
+                                       pad_token_id=tokenizer.pad_token_id)
+        assert out.token_ids == reference[0, len(ids):].tolist()
+
+
+def test_a_model_in_training_keeps_no_packed_copy_after_a_call(tokenizer):
+    """PPO's actor changes before the next rollout: its packed weights are not held through training."""
+    model = lively_model(tokenizer).train()
+    backend = HFBackend(model, tokenizer)
+    backend.generate([GenerationRequest("t", random_ids(random.Random(8), 10))], GREEDY)
+    assert model.training and not backend._linears._packed
+    model.eval()
+    backend.generate([GenerationRequest("t", random_ids(random.Random(8), 10))], GREEDY)
+    assert backend._linears._packed or not backend._linears.supported(model)
 
 
 def test_weight_update_invalidates_caches(tokenizer):

@@ -231,7 +231,7 @@ def test_single_query_attention_equals_transformers_sdpa_under_grouped_heads(mas
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from stages.common.models import single_query_sdpa
+    from stages.common.models import grouped_query_sdpa
 
     torch.manual_seed(0)
     module = torch.nn.Module().eval()
@@ -242,18 +242,42 @@ def test_single_query_attention_equals_transformers_sdpa_under_grouped_heads(mas
     mask = {"none": None, "bool": keep,
             "float": torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)}[mask_kind]
     query = torch.randn(2, 6, 1, 8)
-    ours, _ = single_query_sdpa(module, query, key, value, mask, scaling=0.3)
+    ours, _ = grouped_query_sdpa(module, query, key, value, mask, scaling=0.3)
     stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     assert ours.shape == stock.shape == (2, 1, 6, 8)
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
     long_query = torch.randn(2, 6, 7, 8)
-    torch.testing.assert_close(single_query_sdpa(module, long_query, key, value, None, scaling=0.3)[0],
+    torch.testing.assert_close(grouped_query_sdpa(module, long_query, key, value, None, scaling=0.3)[0],
                                sdpa_attention_forward(module, long_query, key, value, None, scaling=0.3)[0])
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_masked_prefill_attention_equals_transformers_sdpa_under_grouped_heads(grad):
+    """A masked multi-token query (the hf backend's prefill over cached keys, causal within the new
+    tokens, a padded row) gives transformers' result: through SDPA's grouped heads outside autograd,
+    through transformers itself under it."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from stages.common.models import grouped_query_sdpa
+
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    key, value = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    keep = torch.ones(2, 1, 4, 9, dtype=torch.bool).tril(diagonal=5)  # 5 cached columns, 4 new ones
+    keep[1, ..., :2] = False  # the second row is left-padded
+    query = torch.randn(2, 6, 4, 8)
+    with torch.set_grad_enabled(grad):
+        ours, _ = grouped_query_sdpa(module, query, key, value, keep, scaling=0.3)
+    stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
+    assert ours.shape == stock.shape == (2, 4, 6, 8)
+    torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
 
 
 def test_grouped_heads_decode_as_with_eager_attention():
     """Greedy decoding of a grouped-query model with "sdpa" as `load_model` sets it up (so through
-    `single_query_sdpa` where transformers lacks its own fix) produces the tokens and scores of the
+    `grouped_query_sdpa` where transformers lacks its own fix) produces the tokens and scores of the
     eager attention, which repeats the key/value heads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

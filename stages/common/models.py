@@ -28,7 +28,8 @@ key/value heads with the query heads. On a 2-core CPU that copy, not the matmuls
 decode step (docs/results.md). `load_model` therefore
 registers `spa_sdpa` under the name "sdpa": where the installed transformers lacks its own fix, a
 one-token query is regrouped as (batch, kv_heads, n_rep, dim) so each key/value head serves its
-`n_rep` query heads without copying the cache (`single_query_sdpa`).
+`n_rep` query heads without copying the cache, and a masked query on a CPU outside autograd (a
+prefill over cached keys) goes to SDPA's own grouped-query support (`grouped_query_sdpa`).
 
 Prefix-tree-packed training rows (`stages.common.prefix_tree`: the prefix several rows share
 computed once) see each other only through a tree-structured mask; given as a dense mask, SDPA
@@ -428,7 +429,7 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     """transformers' SDPA attention, computed node by node for a prefix-tree-packed sequence
     (``packed_layout``, `stages.common.prefix_tree.tree_attention`) and without copying the KV
     cache for a one-token query under grouped heads where transformers lacks that itself
-    (`single_query_sdpa`). Same outputs."""
+    (`grouped_query_sdpa`). Same outputs."""
     from transformers.integrations import sdpa_attention
 
     if packed_layout is not None:
@@ -440,31 +441,41 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         return tree_attention(query, key, value, packed_layout, scaling, dropout if module.training else 0.0,
                               window=kwargs.get("sliding_window"))
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
-        return single_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        return grouped_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
     return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                                  scaling=scaling, is_causal=is_causal, **kwargs)
 
 
-def single_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                      **kwargs):
-    """transformers' SDPA attention, except that a single query token attends to grouped key/value
-    heads without `repeat_kv` copying the cache (see the module docstring). Same outputs."""
+def grouped_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    """transformers' SDPA attention, except that grouped key/value heads are not copied `n_rep`
+    times (`repeat_kv`) for a one-token query, nor for a masked query on a CPU outside autograd
+    (the hf backend's prefills over cached keys); see the module docstring. Same outputs."""
+    import torch
     import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
-    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
     extras = any(kwargs.get(name) is not None for name in SCORE_EXTRAS)
-    if q_len != 1 or heads == kv_heads or not shared_mask or extras or (dropout and module.training):
+    if heads == kv_heads or extras or (dropout and module.training):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    # Query head h reads key/value head h // n_rep (repeat_kv's order), so (batch, heads, 1, dim)
-    # regroups as (batch, kv_heads, n_rep, dim): n_rep "positions" per key/value head, no mask change.
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    if q_len == 1 and (attention_mask is None or attention_mask.shape[1] == 1):
+        # Query head h reads key/value head h // n_rep (repeat_kv's order), so (batch, heads, 1, dim)
+        # regroups as (batch, kv_heads, n_rep, dim): n_rep "positions" per key/value head, no mask change.
+        grouped = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+        return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    if attention_mask is not None and query.device.type == "cpu" and not torch.is_grad_enabled():
+        # transformers repeats the heads whenever there is a mask, for CUDA's sake (a masked grouped
+        # call can fall back to its math kernel there); the CPU kernel takes grouped heads as they are.
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
 
 
 def _use_spa_sdpa() -> None:

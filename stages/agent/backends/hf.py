@@ -47,8 +47,6 @@ explicitly.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from dataclasses import dataclass
 
@@ -64,12 +62,10 @@ from stages.agent.backends.base import (
     all_singles,
     end_token_ids,
 )
+from stages.common.cpu_linear import PackedLinears
 from stages.common.errors import UserError
 from stages.common.models import kept_columns
 from stages.common.prefix_tree import common_prefix_len
-
-FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # see HFBackend._native_gqa
-
 
 # ---- cache -------------------------------------------------------------------------------
 
@@ -195,7 +191,6 @@ class HFBackend:
                             "or other attention layers); use rollout.backend=vllm")
         # SDPA takes a boolean [rows, 1, 1, columns] mask as is: passing it saves building one per step.
         self._mask_4d = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
-        self._cpu_sdpa = self._mask_4d and self.device.type == "cpu"
         self._layers = config.num_hidden_layers
         self._kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -204,6 +199,7 @@ class HFBackend:
         self._episodes: dict[str, _Cached] = {}
         self._prefix: _Cached | None = None
         self._weights = self._weights_fingerprint()
+        self._linears = PackedLinears(self.model)
         self.stats: dict[str, float] = {}
         self.reset_stats()
 
@@ -235,10 +231,12 @@ class HFBackend:
         was_training = model.training
         model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._linears.active():
                 return self._generate(requests, params, report)
         finally:
             model.train(was_training)
+            if was_training:
+                self._linears.drop()  # a model in training changes before the next call
 
     def release(self, keys: list[str]) -> None:
         for key in keys:
@@ -248,6 +246,7 @@ class HFBackend:
         """Forget every cached KV (episodes and shared prefix), e.g. after the weights changed."""
         self._episodes.clear()
         self._prefix = None
+        self._linears.drop()
 
     def close(self) -> None:
         """Drop the caches (the model is its owner's)."""
@@ -382,13 +381,12 @@ class HFBackend:
         ids, pos = ids.to(device), pos.to(device)
         step = max(1, self.prefill_tokens // n)
         logits = None
-        with self._native_gqa():
-            for lo in range(0, width, step):
-                hi = min(width, lo + step)
-                out = self.model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi],
-                                 attention_mask=mask_dev[:, :past + hi], past_key_values=cache,
-                                 use_cache=True, logits_to_keep=kept_columns(hi - lo - 1, hi - lo, device))
-                logits = out.logits[:, -1]
+        for lo in range(0, width, step):
+            hi = min(width, lo + step)
+            out = self.model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi],
+                             attention_mask=mask_dev[:, :past + hi], past_key_values=cache,
+                             use_cache=True, logits_to_keep=kept_columns(hi - lo - 1, hi - lo, device))
+            logits = out.logits[:, -1]
         if keep_last:
             return cache, mask_dev, logits.float()
         return cache, mask_dev
@@ -514,24 +512,6 @@ class HFBackend:
             self._episodes[rows[i].key] = _Cached(rows[i].prompt + tokens[i][:-1], block, slab_row)
 
     # ---- helpers ----
-
-    @contextlib.contextmanager
-    def _native_gqa(self):
-        """Let SDPA handle grouped-query attention itself in masked prefills on CPU.
-
-        transformers only does so without a mask; with one it first copies the keys and values
-        once per query head (`repeat_kv`), which for a suffix prefill over a long cached past
-        doubles the attention time on CPU. (On CUDA a masked GQA call could fall back to the
-        math kernel, so there the default stays.) transformers reads this switch per call.
-        """
-        if not self._cpu_sdpa or os.environ.get(FORCE_GQA) is not None:
-            yield
-            return
-        os.environ[FORCE_GQA] = "1"
-        try:
-            yield
-        finally:
-            del os.environ[FORCE_GQA]
 
     def _stop_checker(self, stops: tuple[str, ...]):
         """A function (token, completion so far) -> True when the completion now contains a stop string."""

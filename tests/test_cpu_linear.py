@@ -1,0 +1,96 @@
+"""oneDNN-packed linear layers (`stages.common.cpu_linear`): the same products, only while active,
+and never stale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stages.common.cpu_linear import PackedLinears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def small_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(48, 96), nn.SiLU(), nn.Linear(96, 40, bias=False))
+
+
+def reference(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    return net[2](net[1](net[0](x)))
+
+
+def rounding_bound(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """What two float32 evaluations of the same net may differ by when they sum in other orders:
+    each dot product of length K is within K * eps * sum|x_i w_i| of the exact one (x2 for two
+    evaluations), carried through the SiLU (slope <= 1.1) into the second layer."""
+    eps = torch.finfo(torch.float32).eps
+    first, second = net[0], net[2]
+    first_bound = 2 * first.in_features * eps * (x.abs() @ first.weight.abs().T + first.bias.abs())
+    hidden = net[1](first(x))
+    return (2 * second.in_features * eps * (hidden.abs() @ second.weight.abs().T)
+            + 1.1 * first_bound @ second.weight.abs().T)
+
+
+def test_packed_layers_compute_the_same_products_only_inside_the_block():
+    net = small_net()
+    x = torch.randn(2, 5, 48)  # a batch of sequences, as a model's layers see them
+    packed = PackedLinears(net)
+    with torch.inference_mode():
+        stock = reference(net, x)
+        with packed.active():
+            assert all("forward" in vars(m) for m in (net[0], net[2]))
+            ours = reference(net, x)
+        assert all("forward" not in vars(m) for m in net)  # the class's forward again
+    assert ours.shape == stock.shape
+    assert ((ours - stock).abs() <= rounding_bound(net, x)).all()
+
+
+def test_a_dropped_copy_is_packed_again_from_the_current_weights():
+    net = small_net()
+    x = torch.randn(3, 48)
+    packed = PackedLinears(net)
+    with torch.inference_mode(), packed.active():
+        reference(net, x)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)  # an optimizer step
+    packed.drop()
+    with torch.inference_mode():
+        stock = reference(net, x)
+        with packed.active():
+            ours = reference(net, x)
+    assert ((ours - stock).abs() <= rounding_bound(net, x)).all()
+
+
+def test_the_layers_get_their_forward_back_when_the_block_raises():
+    net = small_net()
+    with pytest.raises(RuntimeError, match="inside"), torch.inference_mode(), PackedLinears(net).active():
+        raise RuntimeError("inside")
+    assert all("forward" not in vars(m) for m in net)
+
+
+def test_nothing_is_packed_under_autocast_or_for_other_devices_and_dtypes():
+    net = small_net()
+    packed = PackedLinears(net)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), packed.active():
+        assert reference(net, torch.randn(2, 48)).dtype == torch.bfloat16  # autocast's own product
+        assert not packed._packed
+    assert not PackedLinears.supported(small_net().double())
+    assert not PackedLinears.supported(small_net().to("meta"))
+    assert PackedLinears.supported(small_net().bfloat16())
+
+
+def test_only_plain_unwrapped_linear_layers_are_routed():
+    class Scaled(nn.Linear):  # a subclass keeps its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    net = nn.Sequential(nn.Linear(8, 8), Scaled(8, 8), nn.Linear(8, 8))
+    wrapped = net[2].forward
+    net[2].forward = lambda x: wrapped(x) + 1  # a hook library's wrapper stays in place
+    with torch.inference_mode(), PackedLinears(net).active():
+        assert "forward" in vars(net[0]) and "forward" not in vars(net[1])
+        assert net[2].forward.__name__ == "<lambda>"
+    assert "forward" not in vars(net[0]) and net[2].forward.__name__ == "<lambda>"
