@@ -86,12 +86,12 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.agent.backends import make_backend
     from stages.agent.backends.hf import HFBackend
     from stages.agent.proxy import play
+    from stages.common import cpu_linear
     from stages.common.config import load_config
-    from stages.common.cpu_linear import PackedLinears
     from stages.common.models import load_model
     from stages.training.engine import autocast
 
-    PackedLinears.enabled = variant != "engine_stock"
+    cpu_linear.enabled = variant != "engine_stock"
     episodes = args.batch
     groups = episodes // args.group_size
     backend_name = "vllm" if variant == "vllm" else "hf"

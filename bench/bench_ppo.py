@@ -25,9 +25,9 @@ medians over the rest. Variants (`ppo.*` settings):
 * ``packed_shared_critic``: packed, the value head on the actor's trunk (`ppo.critic=shared`): one
   forward and backward for both losses, no second network;
 * ``cheapest``: packed, sampler log-probs, LoRA and the shared critic together (fp32 only);
-* ``packed_stock_linears``: packed, the hf backend's rollouts with PyTorch's own kernels for the
-  linear layers instead of oneDNN's on reordered weights (`stages.common.cpu_linear`): what those
-  save in the rollout phase;
+* ``packed_stock_linears``: packed, with PyTorch's own kernels for the linear layers in the
+  rollouts and the update instead of oneDNN's (`stages.common.cpu_linear`; CPU only): what those
+  save in each phase;
 * ``packed_vllm``: packed, with vLLM's rollouts (``rollout.backend=vllm``, where vLLM is
   installed; fp32): the engine starts with the run and its start-up is in no phase; the update
   phase includes pushing the new weights into it. Its samples are vLLM's, so its step-1 losses
@@ -149,9 +149,9 @@ def main() -> None:
     parser.add_argument("--child-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        from stages.common.cpu_linear import PackedLinears
+        from stages.common import cpu_linear
 
-        PackedLinears.enabled = args.child not in STOCK_LINEARS
+        cpu_linear.enabled = args.child not in STOCK_LINEARS
         figures, first_row = measure(args, args.child_dtype, VARIANTS[args.child])
         print(json.dumps({"figures": figures, "first_row": first_row}))
         return

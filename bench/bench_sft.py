@@ -16,6 +16,8 @@ timed. Prints one JSON object:
   `model.dtype=bfloat16`, fp32 weights under bf16 autocast; TRL with `bf16=True`, the same
   autocast), which is much faster on CPUs with native bf16 matmul (measured when `model.dtype:
   auto` picks bf16 on this CPU, or with --bf16);
+* spa with PyTorch's own kernels for the linear layers instead of oneDNN's (`spa_stock_linears`,
+  `stages.common.cpu_linear`; the same on a GPU), in fp32;
 * spa with its rows' common prefixes computed once (`sft.share_prefix`, the default) and without
   (`spa_unshared`), and the same on SPA's one-row-per-turn data (`spa_turns`, `spa_turns_unshared`,
   `trl_tuned_turns`), with tokens counted as the rows' tokens for every trainer (spa with sharing
@@ -134,9 +136,12 @@ def matmul_peak(dtype: str = "float32", size: int = 2048, reps: int = 6) -> floa
 
 
 def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int | str, checkpointing: bool,
-              max_length: int, bf16: bool = False, share: bool = True) -> dict:
+              max_length: int, bf16: bool = False, share: bool = True, stock_linears: bool = False) -> dict:
     from stages import sft
+    from stages.common import cpu_linear
     from stages.common.config import load_config
+
+    cpu_linear.enabled = not stock_linears
 
     out = Path(work) / f"spa-{Path(data).stem}-z{stage}-gc{int(checkpointing)}-{max_length}-bf16{int(bf16)}-s{int(share)}"
     config = load_config(None, [], {
@@ -276,6 +281,8 @@ def main() -> None:
         "spa_turns": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048, **turns}),
         "spa_unshared": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048, "share": False,
                                  **rows}),
+        "spa_stock_linears": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048,
+                                      "stock_linears": True, **rows}),
         "spa_turns_unshared": ("spa", {"stage": "auto", "checkpointing": False, "max_length": 2048, "share": False,
                                        **turns}),
     }
@@ -285,7 +292,7 @@ def main() -> None:
         trainers["trl_tuned_turns"] = ("trl", {"defaults": False, **turns})
     if bf16:  # the same comparisons in bf16 (TRL as it sets itself up aside)
         trainers |= {f"{name}_bf16": (kind, {**options, "bf16": True}) for name, (kind, options) in trainers.items()
-                     if name not in ("spa_zero2", "trl_defaults")}
+                     if name not in ("spa_zero2", "trl_defaults", "spa_stock_linears")}
     if args.only:
         wanted = args.only.split(",")
         unknown = sorted(set(wanted) - set(trainers))

@@ -1,13 +1,15 @@
-"""oneDNN-packed linear layers (`stages.common.cpu_linear`): the same products, only while active,
-and never stale."""
+"""Linear layers through oneDNN (`stages.common.cpu_linear`): packed for generation (the same
+products, only while active, never stale) and in training (the same gradients)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch import nn
 
-from stages.common.cpu_linear import PackedLinears
+from stages.common.cpu_linear import PackedLinears, onednn_training
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -94,3 +96,46 @@ def test_only_plain_unwrapped_linear_layers_are_routed():
         assert "forward" in vars(net[0]) and "forward" not in vars(net[1])
         assert net[2].forward.__name__ == "<lambda>"
     assert "forward" not in vars(net[0]) and net[2].forward.__name__ == "<lambda>"
+
+
+def test_training_through_onednn_gives_pytorchs_gradients():
+    """One layer, a 3D batch, a given upstream gradient U: the output x W^T + b, and the gradients
+    U W (input), U^T x (weight) and the sum of U (bias) each within what two float32 sums of the
+    same n terms in other orders may differ by, 2 n eps times the sum of the terms' magnitudes."""
+    torch.manual_seed(1)
+    layer = nn.Linear(48, 40)
+    x = torch.randn(2, 7, 48, requires_grad=True)
+    upstream = torch.randn(2, 7, 40)
+
+    def run(context):
+        layer.zero_grad()
+        x.grad = None
+        with context:
+            out = layer(x)
+        out.backward(upstream)
+        return out.detach(), x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()
+
+    stock = run(contextlib.nullcontext())
+    ours = run(onednn_training(layer))
+    assert "forward" not in vars(layer)
+    eps = torch.finfo(torch.float32).eps
+    w, b, u, xs = layer.weight.detach().abs(), layer.bias.detach().abs(), upstream.abs(), x.detach().abs()
+    rows = u.reshape(-1, 40), xs.reshape(-1, 48)
+    bounds = (2 * 48 * eps * (xs @ w.T + b),  # output: sums over in_features
+              2 * 40 * eps * (u @ w),  # input gradient: sums over out_features
+              2 * 14 * eps * (rows[0].T @ rows[1]),  # weight gradient: sums over the 14 rows
+              2 * 14 * eps * rows[0].sum(0))  # bias gradient
+    for name, a, b_, bound in zip(("output", "input grad", "weight grad", "bias grad"), ours, stock, bounds):
+        assert a.shape == b_.shape and ((a - b_).abs() <= bound).all(), name
+
+
+def test_training_through_onednn_skips_frozen_weights_and_autocast():
+    net = small_net(2)
+    net[0].weight.requires_grad_(False)  # a LoRA base weight
+    x = torch.randn(5, 48)
+    with onednn_training(net):
+        assert "forward" in vars(net[0])
+        reference(net, x).sum().backward()
+    assert net[0].weight.grad is None and net[0].bias.grad is not None and net[2].weight.grad is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16), onednn_training(net):
+        assert all("forward" not in vars(m) for m in net)

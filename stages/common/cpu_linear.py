@@ -1,21 +1,26 @@
-"""Linear layers through oneDNN with reordered weights, for inference on a CPU.
+"""Linear layers through oneDNN instead of PyTorch's BLAS, on a CPU, for inference and training.
 
-PyTorch computes ``nn.Linear`` on a CPU with the BLAS it was built with (MKL in the x86 wheels).
-At the row counts of generation (one to a few hundred tokens a forward) that sgemm runs well below
-the machine's peak on some CPUs, AMD's among them, while oneDNN, given the weight once in its own
-blocked layout, computes the same product (float32 stays float32: no lower-precision math is
-allowed) at several times the rate (docs/results.md). `PackedLinears` keeps such a reordered copy
-of every linear weight of a model and, inside ``with packed.active():``, routes each layer's
-forward through it.
+PyTorch computes a float32 ``nn.Linear`` on a CPU with the BLAS it was built with (MKL in the x86
+wheels). At the shapes of a small model's generation and training that sgemm runs well below the
+machine's peak on some CPUs, AMD's among them, while oneDNN computes the same float32 products
+(no lower-precision math is allowed) at two to several times the rate (docs/results.md). Two ways
+in:
 
-The copy is the model's weights as they were when packed: its owner calls `drop()` when they
-change (the hf backend does so whenever it drops its KV caches). It costs as much memory as the
-linear weights themselves while it is held.
+* `PackedLinears` (generation): a copy of every linear weight reordered once into oneDNN's blocked
+  layout, which is what makes the few-row products of decoding fast; inside ``with
+  packed.active():`` each layer's forward uses it. The copy is the weights as they were when
+  packed: its owner calls `drop()` when they change (the hf backend does so whenever it drops its
+  KV caches). It costs as much memory as the linear weights while it is held.
+* `onednn_training(model)` (training): inside the with-block each layer's forward and, through
+  autograd, its backward (the input's and the weight's gradients) run as oneDNN products on the
+  weights as they are: the rows of a training micro-batch are many, so no reordered copy is kept.
+  The gradients equal PyTorch's up to float32 rounding (tests/test_cpu_linear.py).
 
-Used only where it helps and cannot change what is computed: a CPU, float32 or bfloat16 weights,
-PyTorch built with oneDNN, no autocast (which would have changed the product's dtype), and plain
-``nn.Linear`` modules (subclasses, e.g. quantized layers, keep their own forward, and so does a
-layer whose forward a hook library already wrapped; a LoRA wrapper's base layer is a plain one).
+Both apply only where they help and cannot change what is computed: a CPU, PyTorch built with
+oneDNN, no autocast (it would have changed the products' dtype), weights in float32 (and, for
+generation, bfloat16), no DeepSpeed ZeRO-3 partitioning, and plain ``nn.Linear`` modules
+(subclasses, e.g. quantized layers, keep their own forward, and so does a layer whose forward a
+hook library already wrapped; a LoRA wrapper's base layer is a plain one).
 """
 
 from __future__ import annotations
@@ -26,12 +31,11 @@ import torch
 from torch import nn
 
 _ROWS_HINT = 64  # the row count oneDNN lays the weight out for; decode and prefill both run well with it
+enabled = True  #: false routes nothing through oneDNN: benchmarks time PyTorch's own kernels beside it
 
 
 class PackedLinears:
     """oneDNN-reordered copies of a model's linear weights; see the module docstring."""
-
-    enabled = True  #: benchmarks set it false to time PyTorch's own kernels beside these
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -40,12 +44,7 @@ class PackedLinears:
     @staticmethod
     def supported(model: nn.Module) -> bool:
         """True where packing applies to this model (see the module docstring)."""
-        params = list(model.parameters())
-        if not params or not PackedLinears.enabled or not torch.backends.mkldnn.is_available():
-            return False
-        first = params[0]
-        partitioned = any(hasattr(p, "ds_id") for p in params)  # DeepSpeed ZeRO-3 holds shards only
-        return first.device.type == "cpu" and first.dtype in (torch.float32, torch.bfloat16) and not partitioned
+        return _applies(model, (torch.float32, torch.bfloat16))
 
     def drop(self) -> None:
         """Forget the copies (the weights changed, or memory is wanted back)."""
@@ -59,25 +58,84 @@ class PackedLinears:
             yield
             return
         if not self._packed:
-            self._pack()
-        patched = list(self._packed.items())
-        try:
-            for module, weight in patched:
-                module.forward = _packed_forward(weight, module.bias)
+            with torch.no_grad():
+                self._packed = {module: torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _ROWS_HINT)
+                                for module in _plain_linears(self.model)}
+        with _routed({module: _packed_forward(weight, module.bias) for module, weight in self._packed.items()}):
             yield
-        finally:
-            for module, _ in patched:
-                del module.forward  # back to the class's forward
 
-    def _pack(self) -> None:
-        with torch.no_grad():
-            for module in self.model.modules():
-                if type(module) is nn.Linear and "forward" not in vars(module):  # not already wrapped (hooks)
-                    self._packed[module] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _ROWS_HINT)
+
+@contextlib.contextmanager
+def onednn_training(model: nn.Module):
+    """Inside the with-block, every plain linear layer of a float32 model on a CPU computes its
+    forward and backward products with oneDNN (see the module docstring); elsewhere a no-op."""
+    if torch.is_autocast_enabled("cpu") or not _applies(model, (torch.float32,)):
+        yield
+        return
+    with _routed({module: _trainable_forward(module) for module in _plain_linears(model)}):
+        yield
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """``x @ weight.T + bias`` and its gradients as oneDNN products (each ``a @ b.T``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.with_bias = bias is not None
+        return _mm_t(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _mm_t(rows, weight.t().contiguous()).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = _mm_t(rows.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous())
+        if ctx.with_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+def _trainable_forward(module: nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _OneDNNLinear.apply(x, module.weight, module.bias)
+
+    return forward
 
 
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _mm_t(x, weight, bias)
 
     return forward
+
+
+@contextlib.contextmanager
+def _routed(forwards: dict[nn.Linear, object]):
+    """Give each module its forward for the with-block, then the class's back."""
+    try:
+        for module, forward in forwards.items():
+            module.forward = forward
+        yield
+    finally:
+        for module in forwards:
+            vars(module).pop("forward", None)
+
+
+def _plain_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]  # not hook-wrapped
+
+
+def _applies(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
+    params = list(model.parameters())
+    if not params or not enabled or not torch.backends.mkldnn.is_available():
+        return False
+    partitioned = any(hasattr(p, "ds_id") for p in params)  # DeepSpeed ZeRO-3 holds shards only
+    return params[0].device.type == "cpu" and params[0].dtype in dtypes and not partitioned

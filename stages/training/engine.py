@@ -18,6 +18,11 @@ is the fast one: DeepSpeed's bf16 mode runs slower than fp32 there, while autoca
 fp32 on a CPU with native bf16 matmul (AVX512-BF16/AMX; docs/results.md). float16 needs loss
 scaling, which only DeepSpeed on CUDA does.
 
+On a CPU in fp32 both compute the linear layers' products, forward and backward, with oneDNN
+instead of PyTorch's BLAS (`stages.common.cpu_linear.onednn_training`, around the forward and the
+backward, whose checkpointed recomputations must take the forward's path): the same gradients up
+to rounding, faster where that BLAS is slow.
+
 Both take the caller's gradient accumulation: `backward(loss, last)` for every micro-batch (the
 caller scales the loss; DeepSpeed's own 1/GAS and 1/world scaling are undone), then `step()` once.
 The number of micro-batches may change from step to step (packing), which DeepSpeed allows through
@@ -276,11 +281,16 @@ class TorchEngine:
         self.autocast_dtype = autocast_dtype
 
     def __call__(self, **inputs):
-        with autocast(self.device, self.autocast_dtype):
+        from stages.common.cpu_linear import onednn_training
+
+        with autocast(self.device, self.autocast_dtype), onednn_training(self.module):
             return self.module(**inputs)
 
     def backward(self, loss, last: bool = True) -> None:
-        loss.backward()
+        from stages.common.cpu_linear import onednn_training
+
+        with onednn_training(self.module):  # checkpointed forwards recompute as they first ran
+            loss.backward()
 
     @property
     def lr(self) -> float:
@@ -350,7 +360,9 @@ class DeepSpeedEngine:
         self.engine.checkpoint_engine.load = _load_deepspeed_file
 
     def __call__(self, **inputs):
-        with autocast(self.device, self.autocast_dtype):
+        from stages.common.cpu_linear import onednn_training
+
+        with autocast(self.device, self.autocast_dtype), onednn_training(self.engine.module):
             return self.engine(**inputs)
 
     def close(self) -> None:
@@ -360,9 +372,12 @@ class DeepSpeedEngine:
         self.engine.destroy()
 
     def backward(self, loss, last: bool = True) -> None:
+        from stages.common.cpu_linear import onednn_training
+
         # ZeRO averages gradients over ranks; the caller's loss is already normalised globally.
         self.engine.set_gradient_accumulation_boundary(last)
-        self.engine.backward(loss * self.world, scale_wrt_gas=False)
+        with onednn_training(self.engine.module):  # checkpointed forwards recompute as they first ran
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
 
     @property
     def lr(self) -> float:
