@@ -90,10 +90,11 @@ class _OneDNNLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_weight = grad_bias = None
+        # Transposed views, not copies: oneDNN reads the strides (no transient copy of a weight).
         if ctx.needs_input_grad[0]:
-            grad_x = _mm_t(rows, weight.t().contiguous()).reshape(x.shape)
+            grad_x = _mm_t(rows, weight.t()).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = _mm_t(rows.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous())
+            grad_weight = _mm_t(rows.t(), x.reshape(-1, x.shape[-1]).t())
         if ctx.with_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
