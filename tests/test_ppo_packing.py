@@ -103,10 +103,10 @@ def test_micro_batches_share_within_the_token_budget():
     assert all(len(row) == 1 for micro in unshared for row in micro)
 
 
-def attention_inputs(length: int, heads=(6, 2, 2), seed: int = 0):
+def attention_inputs(length: int, heads=(6, 2, 2), seed: int = 0, head_dim: int = 8):
     g = torch.Generator().manual_seed(seed)
-    inputs = [torch.randn(1, h, length, 8, generator=g, requires_grad=True) for h in heads]
-    return inputs, torch.randn(1, length, heads[0], 8, generator=g)
+    inputs = [torch.randn(1, h, length, head_dim, generator=g, requires_grad=True) for h in heads]
+    return inputs, torch.randn(1, length, heads[0], head_dim, generator=g)
 
 
 def outputs_and_grads(attend, inputs, weights):
@@ -161,7 +161,7 @@ def test_compiled_flex_attention_equals_sdpa_per_node_on_cuda(window):
         pytest.skip("needs CUDA")
     batch = collate(micro_batches(two_groups(vocab=50), 4096, share=True)[0], "cuda", PAD)
     layout = batch["layout"]
-    inputs, weights = attention_inputs(layout.length)
+    inputs, weights = attention_inputs(layout.length, head_dim=16)  # compiled FlexAttention needs >= 16 on CUDA
     inputs = [x.detach().cuda().bfloat16().requires_grad_() for x in inputs]
     weights = weights.cuda().bfloat16()
     flex = outputs_and_grads(lambda q, k, v: prefix_tree.tree_attention(q, k, v, layout, flex=True, window=window)[0],
