@@ -14,6 +14,9 @@ generation backend differs:
   engine's;
 * ``engine_stock``: the engine with PyTorch's own kernels for its linear layers instead of
   oneDNN's on reordered weights (`stages.common.cpu_linear`; the two are the same on a GPU);
+* ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
+  rows share (the instruction) in each attention, instead of reading them once for all rows
+  (`stages.common.models.shared_prefix_attention`);
 * ``naive``: one request at a time through plain `model.generate` (sampling, the same stop string
   and end-of-turn tokens), re-reading the whole conversation every turn, which is what a
   straightforward script does. Being sequential, it runs at the smallest batch only.
@@ -92,6 +95,8 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.training.engine import autocast
 
     cpu_linear.enabled = variant != "engine_stock"
+    if variant == "engine_copied_prefix":
+        HFBackend._shared_columns = lambda self, rows: 0  # no columns declared shared: each row reads its own
     episodes = args.batch
     groups = episodes // args.group_size
     backend_name = "vllm" if variant == "vllm" else "hf"
@@ -126,6 +131,8 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     if isinstance(backend, HFBackend):
         stats = backend.stats
         result["prompt_tokens_reused"] = round(stats["reused_tokens"] / max(1, stats["prompt_tokens"]), 3)
+        result.update(prefill_s=round(stats["prefill_s"], 2), decode_s=round(stats["decode_s"], 2),
+                      decode_steps=int(stats["decode_steps"]))
     if variant == "vllm":
         result["kv_cache_gb"] = round((backend.memory.kv_cache_bytes or 0) / 2**30, 2)  # 0: vLLM sized it (GPU)
     return result
@@ -150,7 +157,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="bfloat16 also measures the HF engine on a bf16 copy of the model; auto does where "
                              "model.dtype auto picks bf16 on this CPU (where bf16 is emulated it takes minutes)")
-    parser.add_argument("--variants", default="engine,engine_stock,vllm,naive",
+    parser.add_argument("--variants", default="engine,engine_copied_prefix,engine_stock,vllm,naive",
                         help="which backends to run (engine_bf16 and engine_autocast are added by --dtype bfloat16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -183,6 +190,9 @@ def main() -> None:
             runs["engine_vs_vllm_tokens_per_s"] = round(engine["tokens_per_s"] / runs["vllm"]["tokens_per_s"], 2)
         if engine and "engine_stock" in runs:
             runs["engine_vs_stock_tokens_per_s"] = round(engine["tokens_per_s"] / runs["engine_stock"]["tokens_per_s"], 2)
+        if engine and "engine_copied_prefix" in runs:
+            rate = engine["tokens_per_s"] / runs["engine_copied_prefix"]["tokens_per_s"]
+            runs["engine_vs_copied_prefix_tokens_per_s"] = round(rate, 2)
         if engine and "naive" in runs:
             runs["speedup_tokens_per_s"] = round(engine["tokens_per_s"] / runs["naive"]["tokens_per_s"], 2)
             runs["speedup_episodes_per_min"] = round(engine["episodes_per_min"] / runs["naive"]["episodes_per_min"], 2)

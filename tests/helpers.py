@@ -1,14 +1,16 @@
 """Helpers shared by the tests (not part of spa)."""
 
 
-def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4):
-    """A randomly initialised Llama with the given tokenizer's vocabulary."""
+def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4,
+               kv_heads: int | None = None):
+    """A randomly initialised Llama with the given tokenizer's vocabulary (`kv_heads` key/value
+    heads, `heads` by default)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         max_position_embeddings=4096, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -15,6 +15,7 @@ from stages.agent.backends import GenerationRequest, SamplingParams, make_backen
 from stages.agent.backends.base import all_singles
 from stages.agent.backends.hf import HFBackend
 from stages.agent.backends.random import RandomBackend
+from stages.common import models
 from stages.common.config import ModelConfig, SPAConfig
 from stages.common.errors import UserError
 from stages.common.models import load_model, load_tokenizer
@@ -29,6 +30,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
+    models._use_spa_sdpa()  # as load_model does: shared columns are read once (`shared_prefix_attention`)
     return lively_model(tokenizer)
 
 
@@ -108,6 +110,42 @@ def test_shared_prefix_is_prefilled_once(model, tokenizer):
     assert backend.stats["prefilled_tokens"] == 80 + sum(5 + i for i in range(4))
     for request, out in zip(requests, outputs):
         assert out.token_ids == fresh(model, tokenizer, request, GREEDY).token_ids
+
+
+def test_columns_every_row_shares_are_read_once_and_change_no_token(tokenizer, monkeypatch):
+    """Episodes sharing an instruction: every forward of a batch of several rows says how many
+    leading columns its rows share (the instruction, and in later turns still only what all rows
+    have in common), attention reads them through `shared_prefix_attention`, and greedy tokens and
+    log-probs equal a fresh one-row run of each prompt, over two turns, under grouped heads."""
+    models._use_spa_sdpa()
+    model = lively_model(tokenizer, heads=4, kv_heads=2)
+    calls = []
+    real = models.shared_prefix_attention
+    monkeypatch.setattr(models, "shared_prefix_attention",
+                        lambda *args: calls.append(args[4]) or real(*args))
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append((kwargs["input_ids"].shape[0], kwargs.get("shared_columns"))),
+        with_kwargs=True)
+    rng = random.Random(5)
+    instruction = random_ids(rng, 40)
+    prompts = {f"e{i}": instruction + random_ids(rng, 3 + 4 * i) for i in range(4)}
+    backend = HFBackend(model, tokenizer)
+    try:
+        for turn in range(2):
+            requests = [GenerationRequest(k, p) for k, p in prompts.items()]
+            outputs = backend.generate(requests, GREEDY)
+            for request, out in zip(requests, outputs):
+                ref = fresh(model, tokenizer, request, GREEDY)
+                assert out.token_ids == ref.token_ids, (turn, request.key)
+                assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+                prompts[request.key] = request.prompt_ids + out.token_ids + random_ids(rng, 5)
+    finally:
+        hook.remove()
+    batched = [shared for rows, shared in seen if rows == 4]
+    assert batched and set(batched) == {40}  # every 4-row forward, prefill and decode, both turns
+    assert all(shared is None for rows, shared in seen if rows == 1)  # the prefix's own prefill
+    assert calls and set(calls) == {40}
 
 
 def test_identical_prompts_are_prefilled_once(model, tokenizer):

@@ -275,6 +275,35 @@ def test_masked_prefill_attention_equals_transformers_sdpa_under_grouped_heads(g
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("query_len", [1, 4])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_shared_prefix_attention_equals_transformers_sdpa(query_len, mask_kind):
+    """Reading the columns every row shares once for all rows (row 0's copy), each row's own
+    columns under its mask, and merging the two by log-sum-exp gives transformers' SDPA result:
+    6 query heads on 2 key/value heads, a row with padding among its own columns, a decode step
+    and a causal prefill of 4 new tokens."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from stages.common.models import shared_prefix_attention
+
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    key, value = torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
+    key[1:, :, :5], value[1:, :, :5] = key[:1, :, :5], value[:1, :, :5]  # 5 shared columns
+    keep = torch.ones(3, 1, query_len, 12, dtype=torch.bool).tril(diagonal=12 - query_len)
+    keep[1, ..., 5:7] = False  # padding between the shared columns and the row's own
+    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    query = torch.randn(3, 6, query_len, 8)
+    ours = shared_prefix_attention(query, key, value, mask, 5, 0.3)
+    stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
+    assert ours.shape == stock.shape == (3, query_len, 6, 8)
+    # Outputs are averages of values of magnitude < 5; each part's kernel and the merge's exp and
+    # log-sum-exp round in float32 (eps 1.2e-7): a few ulps of 5.
+    torch.testing.assert_close(ours, stock, rtol=0, atol=5e-6)
+
+
 def test_grouped_heads_decode_as_with_eager_attention():
     """Greedy decoding of a grouped-query model with "sdpa" as `load_model` sets it up (so through
     `grouped_query_sdpa` where transformers lacks its own fix) produces the tokens and scores of the

@@ -37,6 +37,13 @@ would compute every block, masked or not. A model call that passes ``packed_layo
 `TreeLayout`) gets `tree_attention` instead, with the same outputs (a sliding-window layer's
 window included); every other call is transformers' SDPA. A model whose attention also soft-caps
 its scores, adds sinks or a position bias (`SCORE_EXTRAS`) is refused on the packed path.
+
+Rows that start with the same tokens (the hf backend's episodes, which share the instruction) hold
+the same keys and values in their first columns. A model call that passes ``shared_columns=P``
+(the hf backend's, on a CPU) says so: columns ``[0, P)`` are the same in every row. Each row then
+reads its own columns from ``P`` on, and all rows' queries read row 0's shared columns together as
+one batch (`shared_prefix_attention`); the two partial results are merged by their log-sum-exps,
+which is the same softmax. A decode step thus reads the shared prefix once instead of once a row.
 """
 
 from __future__ import annotations
@@ -425,13 +432,18 @@ SCORE_EXTRAS = ("position_bias", "s_aux", "softcap", "sinks")
 
 
 def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-             packed_layout=None, **kwargs):
+             packed_layout=None, shared_columns=None, **kwargs):
     """transformers' SDPA attention, computed node by node for a prefix-tree-packed sequence
-    (``packed_layout``, `stages.common.prefix_tree.tree_attention`) and without copying the KV
-    cache for a one-token query under grouped heads where transformers lacks that itself
-    (`grouped_query_sdpa`). Same outputs."""
+    (``packed_layout``, `stages.common.prefix_tree.tree_attention`), with the columns every row
+    shares read once for all rows (``shared_columns``, `shared_prefix_attention`) and without
+    copying the KV cache for a one-token query under grouped heads where transformers lacks that
+    itself (`grouped_query_sdpa`). Same outputs."""
+    import torch
     from transformers.integrations import sdpa_attention
 
+    if (shared_columns and attention_mask is not None and query.device.type == "cpu"
+            and not torch.is_grad_enabled() and not any(kwargs.get(name) is not None for name in SCORE_EXTRAS)):
+        return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
     if packed_layout is not None:
         from stages.common.prefix_tree import tree_attention
 
@@ -476,6 +488,39 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, s
         return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+def shared_prefix_attention(query, key, value, attention_mask, shared: int, scaling: float | None):
+    """Attention of ``query`` ``[rows, heads, q, dim]`` over ``key``/``value`` ``[rows, kv_heads,
+    columns, dim]`` whose first ``shared`` columns are the same in every row and visible to every
+    query; ``attention_mask`` is a boolean ``[rows, 1, q, columns]`` (True: attend). CPU only (it
+    calls SDPA's CPU kernel for its log-sum-exps). Returns ``[rows, q, heads, dim]`` as
+    transformers' attention functions do."""
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows, heads, q, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    # Query head h reads key/value head h // group; (group, q) regroups as group * q query rows.
+    grouped = query.reshape(rows, kv_heads, group * q, dim)
+    # Every row's queries against row 0's shared columns: one batch of rows * group * q queries.
+    all_rows = grouped.transpose(0, 1).reshape(1, kv_heads, rows * group * q, dim)
+    shared_out, shared_lse = flash(all_rows, key[:1, :, :shared], value[:1, :, :shared], scale=scaling)
+    shared_out = shared_out.view(kv_heads, rows, group * q, dim).transpose(0, 1)
+    shared_lse = shared_lse.view(kv_heads, rows, group * q).transpose(0, 1)
+    # Each row's own columns, under its mask (the kernel takes an additive one, repeated per group).
+    mask = attention_mask[..., shared:]
+    if q > 1:
+        mask = mask.expand(rows, 1, q, mask.shape[-1]).repeat(1, 1, group, 1)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
+    own_out, own_lse = flash(grouped, key[:, :, shared:], value[:, :, shared:], attn_mask=mask, scale=scaling)
+    # One softmax over both parts: weight each part's output by its share of the total mass.
+    lse = torch.logaddexp(shared_lse, own_lse)
+    out = shared_out * (shared_lse - lse).exp_().unsqueeze(-1)
+    out += own_out * (own_lse - lse).exp_().unsqueeze(-1)
+    return out.reshape(rows, heads, q, dim).transpose(1, 2).contiguous()
 
 
 def _use_spa_sdpa() -> None:

@@ -13,13 +13,16 @@ mask says which columns of a row hold a real token; the model sees it as the 2D 
 and explicit ``position_ids`` number each row's real tokens 0, 1, 2, ... whatever the padding.
 Columns are filled left to right, the same columns for every row::
 
-    | past (gathered)          | new prompt suffix  | completion (decode)   |
-    | pad pad  k0 k1 ... k_p-1 | pad  s0 s1 ... s_m | c0 c1 ... (pad after  |
-    |                          |                    |  the row finished)    |
+    | shared  | past (gathered)    | new prompt suffix  | completion (decode)   |
+    | k0 ...  | pad pad  ... k_p-1 | pad  s0 s1 ... s_m | c0 c1 ... (pad after  |
+    |         |                    |                    |  the row finished)    |
 
-``past`` is copied from KV computed earlier (right-aligned, left-padded), ``suffix`` is prefilled
-(right-aligned, so the last column is every row's last prompt token), then decoding appends one
-column per step. Padding *in the middle* of a row is harmless: pads are masked out and skipped
+``past`` is copied from KV computed earlier: the leading tokens that every row of the batch reuses
+and has in common (``shared``, e.g. the instruction; at least ``min_shared_prefix`` of them, else
+none) left-aligned, so they sit in the same columns of every row and attention reads them once for
+all rows (`stages.common.models.shared_prefix_attention`), the rest right-aligned, left-padded;
+``suffix`` is prefilled (right-aligned, so the last column is every row's last prompt token), then
+decoding appends one column per step. Padding *in the middle* of a row is harmless: pads are masked out and skipped
 by the position ids, so each real token sees exactly the tokens and positions it would see in a
 from-scratch prefill. Rows that finish early leave the batch once enough of them have (their KV
 copied out first, with `batch_select_indices` on the rest), so late steps run narrower.
@@ -113,10 +116,17 @@ class _SlabLayer(DynamicLayer):
 
 
 class _SlabCache(DynamicCache):
-    """A DynamicCache over preallocated slabs (see the module docstring)."""
+    """A DynamicCache over preallocated slabs (see the module docstring); columns ``[0, shared)``
+    hold the same tokens in every row."""
 
-    def __init__(self, layers: list[_SlabLayer]):
+    def __init__(self, layers: list[_SlabLayer], shared: int):
         Cache.__init__(self, layers=layers)  # not DynamicCache.__init__: the layers are given
+        self.shared = shared
+
+    def model_kwargs(self) -> dict:
+        """What a forward over this cache passes the model besides it: the shared columns' count,
+        for `stages.common.models.spa_sdpa` (which reads them once for all rows)."""
+        return {"shared_columns": self.shared} if self.shared else {}
 
 
 @dataclass
@@ -356,6 +366,7 @@ class HFBackend:
         device, dtype = self.device, next(self.model.parameters()).dtype
         n = len(rows)
         past = max(row.reuse for row in rows)
+        shared = self._shared_columns(rows)
         suffixes = [row.prompt[row.reuse:] if keep_last else row.prompt[row.reuse:-1] for row in rows]
         width = max(len(s) for s in suffixes)
         capacity = past + width + extra_columns
@@ -363,9 +374,9 @@ class HFBackend:
         layers = [_SlabLayer(torch.empty(shape, dtype=dtype, device=device),
                              torch.empty(shape, dtype=dtype, device=device), past)
                   for _ in range(self._layers)]
-        cache = _SlabCache(layers)
+        cache = _SlabCache(layers, shared)
         mask = torch.zeros(n, capacity, dtype=torch.bool)
-        self._gather_past(rows, layers, mask, past)
+        self._gather_past(rows, layers, mask, past, shared)
 
         # The suffix, right-aligned in columns [past, past + width).
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
@@ -385,16 +396,30 @@ class HFBackend:
             hi = min(width, lo + step)
             out = self.model(input_ids=ids[:, lo:hi], position_ids=pos[:, lo:hi],
                              attention_mask=mask_dev[:, :past + hi], past_key_values=cache,
-                             use_cache=True, logits_to_keep=kept_columns(hi - lo - 1, hi - lo, device))
+                             use_cache=True, logits_to_keep=kept_columns(hi - lo - 1, hi - lo, device),
+                             **cache.model_kwargs())
             logits = out.logits[:, -1]
         if keep_last:
             return cache, mask_dev, logits.float()
         return cache, mask_dev
 
-    def _gather_past(self, rows: list[_Row], layers: list[_SlabLayer], mask: torch.Tensor, past: int) -> None:
-        """Fill columns [0, past) of the slabs: each row's reused KV right-aligned, its padding
-        copied from its first real column (finite values, masked out); rows reusing nothing get
-        zeros. The slabs come from torch.empty, so every column is written before it is read."""
+    def _shared_columns(self, rows: list[_Row]) -> int:
+        """How many leading tokens every row reuses and has in common with the others (0 below
+        `min_shared_prefix`, for a single row, or off a CPU): their KV is the same in every row
+        (equal tokens at equal positions under the same weights), so the slab puts them in the
+        same columns and attention reads them once for all rows."""
+        if len(rows) < 2 or self.device.type != "cpu":
+            return 0
+        first = rows[0].prompt
+        shared = min(min(row.reuse, common_prefix_len(first, row.prompt)) for row in rows)
+        return shared if shared >= self.min_shared_prefix else 0
+
+    def _gather_past(self, rows: list[_Row], layers: list[_SlabLayer], mask: torch.Tensor, past: int,
+                     shared: int) -> None:
+        """Fill columns [0, past) of the slabs: each row's first `shared` reused tokens' KV
+        left-aligned (the same columns in every row), the rest of its reused KV right-aligned, its
+        padding copied from its first real column (finite values, masked out); rows reusing nothing
+        get zeros. The slabs come from torch.empty, so every column is written before it is read."""
         if past == 0:
             return
         device = self.device
@@ -406,16 +431,18 @@ class HFBackend:
                     layer.v_slab[i, :, :past] = 0
             else:
                 by_block.setdefault(id(row.source.block), []).append(i)
-                mask[i, past - row.reuse:past] = True
+                mask[i, :shared] = True
+                mask[i, past - (row.reuse - shared):past] = True
         for members in by_block.values():
             block = rows[members[0]].source.block
             src_rows = torch.tensor([rows[i].source.row for i in members])
             src_cols = torch.empty(len(members), past, dtype=torch.long)
             for j, i in enumerate(members):
-                reuse = rows[i].reuse
-                cols = block.mask[rows[i].source.row].nonzero()[:reuse, 0]
-                src_cols[j, past - reuse:] = cols
-                src_cols[j, :past - reuse] = cols[0]
+                tail = rows[i].reuse - shared
+                cols = block.mask[rows[i].source.row].nonzero()[:rows[i].reuse, 0]
+                src_cols[j, :shared] = cols[:shared]
+                src_cols[j, past - tail:] = cols[shared:]
+                src_cols[j, shared:past - tail] = cols[0]
             src_rows, src_cols = src_rows.to(device)[:, None], src_cols.to(device)
             dst_rows = torch.tensor(members, device=device)[:, None]
             dst_cols = torch.arange(past, device=device)[None, :]
@@ -480,7 +507,7 @@ class HFBackend:
                 mask[:, column] = True
             attention = mask[:, None, None, :column + 1] if self._mask_4d else mask[:, :column + 1]
             out = self.model(input_ids=token[:, None], position_ids=pos, attention_mask=attention,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+                             past_key_values=cache, use_cache=True, logits_to_keep=1, **cache.model_kwargs())
             logits = out.logits[:, -1].float()
             pos += 1
             column += 1
