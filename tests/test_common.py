@@ -275,13 +275,11 @@ def test_masked_prefill_attention_equals_transformers_sdpa_under_grouped_heads(g
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("query_len", [1, 4])
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_shared_prefix_attention_equals_transformers_sdpa(query_len, mask_kind):
-    """Reading the columns every row shares once for all rows (row 0's copy), each row's own
-    columns under its mask, and merging the two by log-sum-exp gives transformers' SDPA result:
-    6 query heads on 2 key/value heads, a row with padding among its own columns, a decode step
-    and a causal prefill of 4 new tokens."""
+def test_shared_prefix_attention_equals_transformers_sdpa(mask_kind):
+    """A decode step that reads the columns every row shares once for all rows (row 0's copy),
+    each row's own columns under its mask, and merges the two by log-sum-exp gives transformers'
+    SDPA result: 6 query heads on 2 key/value heads, a row with padding among its own columns."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -292,16 +290,48 @@ def test_shared_prefix_attention_equals_transformers_sdpa(query_len, mask_kind):
     module.num_key_value_groups, module.is_causal = 3, True
     key, value = torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
     key[1:, :, :5], value[1:, :, :5] = key[:1, :, :5], value[:1, :, :5]  # 5 shared columns
-    keep = torch.ones(3, 1, query_len, 12, dtype=torch.bool).tril(diagonal=12 - query_len)
+    keep = torch.ones(3, 1, 1, 12, dtype=torch.bool)
     keep[1, ..., 5:7] = False  # padding between the shared columns and the row's own
     mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
-    query = torch.randn(3, 6, query_len, 8)
+    query = torch.randn(3, 6, 1, 8)
     ours = shared_prefix_attention(query, key, value, mask, 5, 0.3)
     stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
-    assert ours.shape == stock.shape == (3, query_len, 6, 8)
+    assert ours.shape == stock.shape == (3, 1, 6, 8)
     # Outputs are averages of values of magnitude < 5; each part's kernel and the merge's exp and
     # log-sum-exp round in float32 (eps 1.2e-7): a few ulps of 5.
     torch.testing.assert_close(ours, stock, rtol=0, atol=5e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 6])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "shared_batch"])
+def test_onednn_masked_attention_equals_transformers_sdpa(kv_heads, mask_kind):
+    """A prefill of 4 new tokens over 5 cached columns as oneDNN products, a pair per row and
+    key/value head, gives transformers' SDPA result: grouped heads or not, causal among the new
+    tokens, a left-padded row, a mask given per row or once for all rows; a padding query that may
+    attend to nothing comes out finite."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from stages.common.models import onednn_masked_attention
+
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 6 // kv_heads, True
+    key, value = torch.randn(2, kv_heads, 9, 8), torch.randn(2, kv_heads, 9, 8)
+    keep = torch.ones(2, 1, 4, 9, dtype=torch.bool).tril(diagonal=5)
+    if mask_kind == "shared_batch":
+        keep = keep[:1]
+    else:
+        keep[1, ..., :6] = False  # row 1: no cached columns, and its first new token is padding
+    mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min) if mask_kind == "float" else keep
+    query = torch.randn(2, 6, 4, 8)
+    ours = onednn_masked_attention(query, key, value, mask, 0.3)
+    stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
+    assert ours.shape == stock.shape == (2, 4, 6, 8)
+    assert torch.isfinite(ours).all()
+    real = keep.expand(2, 1, 4, 9).any(-1)[:, 0]  # [rows, q]: queries that attend to something
+    # Averages of values of magnitude < 5 over 9 columns, products and softmax in float32.
+    torch.testing.assert_close(ours[real], stock[real], rtol=0, atol=5e-6)
 
 
 def test_grouped_heads_decode_as_with_eager_attention():

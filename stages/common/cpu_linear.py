@@ -83,7 +83,7 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.with_bias = bias is not None
-        return _mm_t(x, weight, bias)
+        return mm_t(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -92,15 +92,17 @@ class _OneDNNLinear(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         # Transposed views, not copies: oneDNN reads the strides (no transient copy of a weight).
         if ctx.needs_input_grad[0]:
-            grad_x = _mm_t(rows, weight.t()).reshape(x.shape)
+            grad_x = mm_t(rows, weight.t()).reshape(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = _mm_t(rows.t(), x.reshape(-1, x.shape[-1]).t())
+            grad_weight = mm_t(rows.t(), x.reshape(-1, x.shape[-1]).t())
         if ctx.with_bias and ctx.needs_input_grad[2]:
             grad_bias = rows.sum(0)
         return grad_x, grad_weight, grad_bias
 
 
-def _mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for 2-D (or, for ``a``, N-D) tensors as one oneDNN product; strided
+    views are read as they are."""
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
@@ -113,7 +115,7 @@ def _trainable_forward(module: nn.Linear):
 
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return _mm_t(x, weight, bias)
+        return mm_t(x, weight, bias)
 
     return forward
 

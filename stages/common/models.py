@@ -44,6 +44,9 @@ the same keys and values in their first columns. A model call that passes ``shar
 reads its own columns from ``P`` on, and all rows' queries read row 0's shared columns together as
 one batch (`shared_prefix_attention`); the two partial results are merged by their log-sum-exps,
 which is the same softmax. A decode step thus reads the shared prefix once instead of once a row.
+A masked prefill over cached keys on a CPU in float32 (outside autograd) multiplies its scores and
+values with oneDNN (`onednn_masked_attention`), as `stages.common.cpu_linear` does the linear
+layers', instead of SDPA's CPU kernel, whose blocks go through the BLAS.
 """
 
 from __future__ import annotations
@@ -441,9 +444,14 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     import torch
     from transformers.integrations import sdpa_attention
 
-    if (shared_columns and attention_mask is not None and query.device.type == "cpu"
-            and not torch.is_grad_enabled() and not any(kwargs.get(name) is not None for name in SCORE_EXTRAS)):
-        return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
+    from stages.common import cpu_linear
+
+    if (attention_mask is not None and query.device.type == "cpu" and not torch.is_grad_enabled()
+            and not any(kwargs.get(name) is not None for name in SCORE_EXTRAS)):
+        if shared_columns and query.shape[2] == 1:
+            return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
+        if query.shape[2] > 1 and query.dtype == torch.float32 and cpu_linear.enabled:
+            return onednn_masked_attention(query, key, value, attention_mask, scaling), None
     if packed_layout is not None:
         from stages.common.prefix_tree import tree_attention
 
@@ -491,28 +499,26 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def shared_prefix_attention(query, key, value, attention_mask, shared: int, scaling: float | None):
-    """Attention of ``query`` ``[rows, heads, q, dim]`` over ``key``/``value`` ``[rows, kv_heads,
-    columns, dim]`` whose first ``shared`` columns are the same in every row and visible to every
-    query; ``attention_mask`` is a boolean ``[rows, 1, q, columns]`` (True: attend). CPU only (it
-    calls SDPA's CPU kernel for its log-sum-exps). Returns ``[rows, q, heads, dim]`` as
-    transformers' attention functions do."""
+    """Attention of a one-token ``query`` ``[rows, heads, 1, dim]`` over ``key``/``value``
+    ``[rows, kv_heads, columns, dim]`` whose first ``shared`` columns are the same in every row and
+    visible to every query; ``attention_mask`` ``[rows, 1, 1, columns]`` is boolean (True: attend)
+    or additive. CPU only (it calls SDPA's CPU kernel for its log-sum-exps). Returns ``[rows, 1,
+    heads, dim]`` as transformers' attention functions do."""
     import torch
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    rows, heads, q, dim = query.shape
+    rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    # Query head h reads key/value head h // group; (group, q) regroups as group * q query rows.
-    grouped = query.reshape(rows, kv_heads, group * q, dim)
-    # Every row's queries against row 0's shared columns: one batch of rows * group * q queries.
-    all_rows = grouped.transpose(0, 1).reshape(1, kv_heads, rows * group * q, dim)
+    # Query head h reads key/value head h // group: (rows, heads, 1) regroups as (rows, kv_heads, group).
+    grouped = query.reshape(rows, kv_heads, group, dim)
+    # Every row's queries against row 0's shared columns: one batch of rows * group queries.
+    all_rows = grouped.transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
     shared_out, shared_lse = flash(all_rows, key[:1, :, :shared], value[:1, :, :shared], scale=scaling)
-    shared_out = shared_out.view(kv_heads, rows, group * q, dim).transpose(0, 1)
-    shared_lse = shared_lse.view(kv_heads, rows, group * q).transpose(0, 1)
-    # Each row's own columns, under its mask (the kernel takes an additive one, repeated per group).
+    shared_out = shared_out.view(kv_heads, rows, group, dim).transpose(0, 1)
+    shared_lse = shared_lse.view(kv_heads, rows, group).transpose(0, 1)
+    # Each row's own columns, under its mask (the kernel takes an additive one).
     mask = attention_mask[..., shared:]
-    if q > 1:
-        mask = mask.expand(rows, 1, q, mask.shape[-1]).repeat(1, 1, group, 1)
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
     own_out, own_lse = flash(grouped, key[:, :, shared:], value[:, :, shared:], attn_mask=mask, scale=scaling)
@@ -520,7 +526,37 @@ def shared_prefix_attention(query, key, value, attention_mask, shared: int, scal
     lse = torch.logaddexp(shared_lse, own_lse)
     out = shared_out * (shared_lse - lse).exp_().unsqueeze(-1)
     out += own_out * (own_lse - lse).exp_().unsqueeze(-1)
-    return out.reshape(rows, heads, q, dim).transpose(1, 2).contiguous()
+    return out.reshape(rows, 1, heads, dim)
+
+
+def onednn_masked_attention(query, key, value, attention_mask, scaling: float | None):
+    """Attention of a multi-token ``query`` ``[rows, heads, q, dim]`` (a prefill over cached keys)
+    over ``key``/``value`` ``[rows, kv_heads, columns, dim]`` under ``attention_mask`` ``[rows or 1,
+    1, q, columns]`` (boolean, True: attend, or additive), as oneDNN products (`cpu_linear.mm_t`),
+    a pair per row and key/value head: SDPA's CPU kernel multiplies its blocks with the BLAS, at a
+    fraction of oneDNN's rate on some CPUs (docs/results.md). Scores of a query that may attend to
+    nothing come out finite (a masked score is float32's lowest, as transformers' eager attention
+    has it), so padding never spreads NaN. Returns ``[rows, q, heads, dim]``."""
+    import torch
+
+    from stages.common.cpu_linear import mm_t
+
+    rows, heads, q, dim = query.shape
+    kv_heads, columns = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = dim ** -0.5 if scaling is None else scaling
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    grouped = query.reshape(rows, kv_heads, group * q, dim)  # query head h reads key/value head h // group
+    out = torch.empty(rows, kv_heads, group * q, dim, dtype=query.dtype)
+    for row in range(rows):
+        mask = attention_mask[row if attention_mask.shape[0] > 1 else 0]  # [1, q, columns]
+        for head in range(kv_heads):
+            scores = mm_t(grouped[row, head], key[row, head]).view(group, q, columns)
+            probs = scores.mul_(scale).add_(mask).softmax(-1).view(group * q, columns)
+            out[row, head] = mm_t(probs, value[row, head].t())
+    return out.view(rows, heads, q, dim).transpose(1, 2).contiguous()
 
 
 def _use_spa_sdpa() -> None:
