@@ -548,13 +548,14 @@ def onednn_masked_attention(query, key, value, attention_mask, scaling: float | 
     if attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(
             ~attention_mask, torch.finfo(query.dtype).min)
-    grouped = query.reshape(rows, kv_heads, group * q, dim)  # query head h reads key/value head h // group
+    # Query head h reads key/value head h // group; scaled before the product, a smaller tensor.
+    grouped = (query * scale).reshape(rows, kv_heads, group * q, dim)
     out = torch.empty(rows, kv_heads, group * q, dim, dtype=query.dtype)
     for row in range(rows):
         mask = attention_mask[row if attention_mask.shape[0] > 1 else 0]  # [1, q, columns]
         for head in range(kv_heads):
             scores = mm_t(grouped[row, head], key[row, head]).view(group, q, columns)
-            probs = scores.mul_(scale).add_(mask).softmax(-1).view(group * q, columns)
+            probs = scores.add_(mask).softmax(-1).view(group * q, columns)
             out[row, head] = mm_t(probs, value[row, head].t())
     return out.view(rows, heads, q, dim).transpose(1, 2).contiguous()
 

@@ -435,21 +435,21 @@ class HFBackend:
                 mask[i, past - (row.reuse - shared):past] = True
         for members in by_block.values():
             block = rows[members[0]].source.block
-            src_rows = torch.tensor([rows[i].source.row for i in members])
-            src_cols = torch.empty(len(members), past, dtype=torch.long)
-            for j, i in enumerate(members):
+            sources = []  # per member: its row of the block, and the block column behind each slab column
+            for i in members:
                 tail = rows[i].reuse - shared
                 cols = block.mask[rows[i].source.row].nonzero()[:rows[i].reuse, 0]
-                src_cols[j, :shared] = cols[:shared]
-                src_cols[j, past - tail:] = cols[shared:]
-                src_cols[j, shared:past - tail] = cols[0]
-            src_rows, src_cols = src_rows.to(device)[:, None], src_cols.to(device)
-            dst_rows = torch.tensor(members, device=device)[:, None]
-            dst_cols = torch.arange(past, device=device)[None, :]
+                src_cols = torch.empty(past, dtype=torch.long)
+                src_cols[:shared] = cols[:shared]
+                src_cols[past - tail:] = cols[shared:]
+                src_cols[shared:past - tail] = cols[0]
+                sources.append((i, rows[i].source.row, src_cols.to(device)))
             for layer, keys, values in zip(layers, block.keys, block.values):
-                # keys[src_rows, :, src_cols] is [members, past, kv_heads, head_dim]
-                layer.k_slab[dst_rows, :, dst_cols] = keys[src_rows, :, src_cols]
-                layer.v_slab[dst_rows, :, dst_cols] = values[src_rows, :, src_cols]
+                # Row by row along the column axis: contiguous head_dim runs, unlike an indexed
+                # assignment over (row, column) pairs, which is several times slower on a CPU.
+                for i, src_row, src_cols in sources:
+                    layer.k_slab[i, :, :past] = keys[src_row].index_select(1, src_cols)
+                    layer.v_slab[i, :, :past] = values[src_row].index_select(1, src_cols)
 
     # ---- decode ----
 
