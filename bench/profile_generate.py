@@ -6,8 +6,9 @@ tokens, the bundled SmolLM2-135M in float32) once under `torch.profiler`, with e
 inside one, else for decoding (the decode steps' forwards, sampling, bookkeeping). ``--stock``
 runs the linear layers on PyTorch's own kernels instead of oneDNN's (`stages.common.cpu_linear`).
 The profiler's own overhead inflates the many small operators, so the wall times printed beside
-come from the backend's counters in the same run, and the shares are what to read. Prints one
-JSON object.
+come from the backend's counters in the same run, and the shares are what to read;
+``operator_seconds`` sums the operators' self times, so the phase's wall time less it is Python
+and the framework between operators (inflated by the profiler too). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main() -> None:
     for phase, ops in self_us.items():
         total = sum(ops.values())
         top = sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]
-        result[phase] = {"seconds": round(stats[f"{phase}_s"], 2),
+        result[phase] = {"seconds": round(stats[f"{phase}_s"], 2), "operator_seconds": round(total / 1e6, 2),
                          "op_share": {name: round(us / total, 3) for name, us in top}}
     print(json.dumps(result))
 
