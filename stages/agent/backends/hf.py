@@ -20,12 +20,13 @@ Columns are filled left to right, the same columns for every row::
 ``past`` is copied from KV computed earlier: the leading tokens that every row of the batch reuses
 and has in common (``shared``, e.g. the instruction; at least ``min_shared_prefix`` of them, else
 none) left-aligned, so they sit in the same columns of every row and attention reads them once for
-all rows (`stages.common.models.shared_prefix_attention`), the rest right-aligned, left-padded;
-``suffix`` is prefilled (right-aligned, so the last column is every row's last prompt token), then
-decoding appends one column per step. Padding *in the middle* of a row is harmless: pads are masked out and skipped
-by the position ids, so each real token sees exactly the tokens and positions it would see in a
-from-scratch prefill. Rows that finish early leave the batch once enough of them have (their KV
-copied out first, with `batch_select_indices` on the rest), so late steps run narrower.
+all rows (`stages.common.models.shared_prefix_attention`, on a CPU under SDPA), the rest
+right-aligned, left-padded; ``suffix`` is prefilled (right-aligned, so the last column is every
+row's last prompt token), then decoding appends one column per step. Padding *in the middle* of a
+row is harmless: pads are masked out and skipped by the position ids, so each real token sees
+exactly the tokens and positions it would see in a from-scratch prefill. Rows that finish early
+leave the batch once enough of them have (their KV copied out first, with `batch_select_indices`
+on the rest), so late steps run narrower.
 
 After a call, each request's key maps to a ``_Cached``: the tokens whose KV is stored (prompt +
 completion minus its last token, which was sampled but never fed) and where they live (a row of
@@ -405,10 +406,11 @@ class HFBackend:
 
     def _shared_columns(self, rows: list[_Row]) -> int:
         """How many leading tokens every row reuses and has in common with the others (0 below
-        `min_shared_prefix`, for a single row, or off a CPU): their KV is the same in every row
-        (equal tokens at equal positions under the same weights), so the slab puts them in the
-        same columns and attention reads them once for all rows."""
-        if len(rows) < 2 or self.device.type != "cpu":
+        `min_shared_prefix`, for a single row, off a CPU or off SDPA, whose registered function
+        is what reads them once): their KV is the same in every row (equal tokens at equal
+        positions under the same weights), so the slab puts them in the same columns and
+        attention reads them once for all rows."""
+        if len(rows) < 2 or self.device.type != "cpu" or not self._mask_4d:
             return 0
         first = rows[0].prompt
         shared = min(min(row.reuse, common_prefix_len(first, row.prompt)) for row in rows)
