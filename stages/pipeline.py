@@ -747,11 +747,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
         artifacts.write_json(state_path, state)
         start = time.perf_counter()
         rss.reset_peak()
-        run_stage = _runner(stage.kind)
-        if stage.kind == "sft" and _heap_shared_with_later_stages(stage.config):
-            in_own_thread(run_stage, copy.deepcopy(stage.config), resume, console)
-        else:
-            run_stage(copy.deepcopy(stage.config), resume, console)
+        _runner(stage.kind)(copy.deepcopy(stage.config), resume, console)
         peak = rss.peak()
         _release_memory()
         # the wall time and peak memory of the call that completed it (a resumed stage's earlier
@@ -809,51 +805,6 @@ def _runner(kind: str) -> Callable[[SPAConfig, bool, Console], Any]:
     runners = {"generate": resumed(generate, "generate"), "clean": lambda cfg, _, __: clean.run(cfg),
                "sft": resumed(sft, "sft"), "ppo": resumed(ppo, "ppo"), "eval": run_eval, "probe": run_probe}
     return runners[kind]
-
-
-def _heap_shared_with_later_stages(config: SPAConfig) -> bool:
-    """Whether a stage trains in this one process on a CPU, its memory from the heap the stages
-    after it allocate from. SFT grows glibc's main heap to several GB, and something still alive
-    after it sits near the heap's top, so `malloc_trim` cannot shrink it: the next stage's tensors
-    are then cut from that sparse heap, fault its pages in afresh and keep them resident once
-    freed (the demo's eval after SFT peaked 1.2 GB above the same eval alone, docs/results.md).
-    In a thread of its own the stage allocates from an arena of its own instead."""
-    return sys.platform == "linux" and distributed.launched_world() == 1 and pick_device(config.model.device) == "cpu"
-
-
-def in_own_thread(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` in a new thread, waited for: its result, or its exception re-raised
-    here. Ctrl-C (or SIGTERM turned into KeyboardInterrupt) reaches only the main thread; it is
-    passed on to the worker, whose cleanup runs as it would in the main thread, before it is raised
-    here."""
-    import ctypes
-    import threading
-
-    outcome: dict[str, Any] = {}
-    done = threading.Event()  # not Thread.is_alive(), which a join interrupted by Ctrl-C can leave wrong
-
-    def target() -> None:
-        try:
-            outcome["result"] = function(*args)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            outcome["error"] = err
-        finally:
-            done.set()
-
-    worker = threading.Thread(target=target, name="spa-stage", daemon=True)  # never outlives the process
-    try:
-        worker.start()
-        while not done.wait(0.2):  # wakes to run signal handlers: a blocked wait may not see Ctrl-C
-            pass
-    except KeyboardInterrupt:
-        if not done.is_set() and worker.ident is not None:  # started: it may be mid-stage
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
-                                                       ctypes.py_object(KeyboardInterrupt))
-            done.wait()
-        raise
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("result")
 
 
 def _release_memory() -> None:

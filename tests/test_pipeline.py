@@ -559,39 +559,3 @@ def test_the_table_gets_each_arms_probe_and_a_finished_probe_is_not_redone(tiny_
     off = pipeline.run(tiny_pipeline(tiny_model_dir, run_dir, arms))
     assert off["skipped"] == ["eval/base", "eval/state_estimation", "ppo/vanilla_rl", "eval/vanilla_rl"]
     assert "probe" not in off["table"]
-
-
-def test_a_stage_in_its_own_thread_returns_raises_and_is_interrupted_like_the_main_thread():
-    """`in_own_thread` (SFT on a CPU, so its heap is not the later stages'): the function's result
-    comes back, its exception is raised in the caller, and Ctrl-C, which only the main thread
-    hears, reaches the worker, whose cleanup runs before the caller raises KeyboardInterrupt."""
-    import _thread
-    import threading
-    import time
-
-    assert pipeline.in_own_thread(lambda a, b: (a + b, threading.current_thread().name), 2, 3) == (5, "spa-stage")
-
-    def fails():
-        raise UserError("bad")
-
-    with pytest.raises(UserError, match="bad"):
-        pipeline.in_own_thread(fails)
-
-    seen = []
-
-    def trains():
-        try:
-            time.sleep(0.2)  # the caller is waiting by now
-            _thread.interrupt_main()  # Ctrl-C, delivered to the main thread while it waits
-            for _ in range(1000):  # ten seconds at most; the interrupt ends it at once
-                time.sleep(0.01)
-            seen.append("finished")
-        except KeyboardInterrupt:
-            seen.append("interrupted")
-            raise
-        finally:
-            seen.append("cleaned up")
-
-    with pytest.raises(KeyboardInterrupt):
-        pipeline.in_own_thread(trains)
-    assert seen == ["interrupted", "cleaned up"]
