@@ -1,0 +1,123 @@
+"""The hf engine's attention kernels on a CPU against SDPA's, at the shapes of bench_generate's rollouts.
+
+SmolLM2-135M's attention (9 query heads on 3 key/value heads of 64), float32, random tensors, 30
+calls a measurement (one per layer), as a decode step or a prefill forward makes them:
+
+* ``decode``: one new token a row over the KV cache, whose first ``--shared`` columns (the
+  instruction) are the same in every row and the next ``--own`` are each row's own. ``sdpa`` is
+  SDPA's CPU kernel on the query heads regrouped per key/value head (`grouped_query_sdpa`'s decode
+  path), reading every row's copy of the shared columns; ``shared_prefix`` is
+  `stages.common.models.shared_prefix_attention`, which reads them once for all rows.
+* ``prefill``: ``--new`` new tokens a row, causal among themselves, over ``--cached`` columns, a
+  padded row mask (the second turn's prefill of a 16-episode run). ``sdpa`` is SDPA's CPU kernel
+  with grouped heads (`grouped_query_sdpa`'s masked path); ``onednn`` is
+  `stages.common.models.onednn_masked_attention`.
+
+Each figure is the median of ``--reps`` measurements, milliseconds for the 30 calls; ``max_abs_diff``
+is the largest difference between a variant's output and SDPA's (float32 rounding). Prints one JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+
+
+def timed(function, reps: int) -> float:
+    """Median milliseconds of ``LAYERS`` calls of `function`, after one warm-up round."""
+    function()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(LAYERS):
+            function()
+        times.append((time.perf_counter() - start) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def decode(rows: int, shared: int, own: int, reps: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from stages.common.models import shared_prefix_attention
+
+    columns = shared + own
+    key, value = torch.randn(rows, KV_HEADS, columns, HEAD_DIM), torch.randn(rows, KV_HEADS, columns, HEAD_DIM)
+    key[1:, :, :shared], value[1:, :, :shared] = key[:1, :, :shared], value[:1, :, :shared]
+    mask = torch.ones(rows, 1, 1, columns, dtype=torch.bool)
+    mask[::2, ..., shared:shared + 16] = False  # padding in half the rows
+    query = torch.randn(rows, HEADS, 1, HEAD_DIM)
+    scale = HEAD_DIM ** -0.5
+
+    def sdpa():
+        grouped = query.reshape(rows, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
+        return out.reshape(rows, 1, HEADS, HEAD_DIM)
+
+    def shared_prefix():
+        return shared_prefix_attention(query, key, value, mask, shared, scale)
+
+    diff = (shared_prefix() - sdpa()).abs().max().item()
+    return {"rows": rows, "shared_columns": shared, "own_columns": own, "sdpa_ms": timed(sdpa, reps),
+            "shared_prefix_ms": timed(shared_prefix, reps), "max_abs_diff": diff}
+
+
+def prefill(rows: int, new: int, cached: int, reps: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from stages.common.models import onednn_masked_attention
+
+    columns = cached + new
+    key, value = torch.randn(rows, KV_HEADS, columns, HEAD_DIM), torch.randn(rows, KV_HEADS, columns, HEAD_DIM)
+    mask = torch.ones(columns, columns, dtype=torch.bool).tril()[-new:].expand(rows, 1, new, columns).clone()
+    for row in range(rows):
+        mask[row, ..., cached - 5 * row:cached] = False  # each row's own padding
+    query = torch.randn(rows, HEADS, new, HEAD_DIM)
+    scale = HEAD_DIM ** -0.5
+
+    def sdpa():
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def onednn():
+        return onednn_masked_attention(query, key, value, mask, scale)
+
+    diff = (onednn() - sdpa()).abs().max().item()
+    return {"rows": rows, "new_tokens": new, "cached_columns": cached, "sdpa_ms": timed(sdpa, reps),
+            "onednn_ms": timed(onednn, reps), "max_abs_diff": diff}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="16,64", help="decode rows, comma-separated")
+    parser.add_argument("--shared", type=int, default=404, help="decode: columns every row shares")
+    parser.add_argument("--own", type=int, default=350, help="decode: each row's own columns")
+    parser.add_argument("--new", type=int, default=170, help="prefill: new tokens a row")
+    parser.add_argument("--cached", type=int, default=642, help="prefill: cached columns a row")
+    parser.add_argument("--prefill-rows", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    import torch
+
+    torch.manual_seed(0)
+    result = {"threads": torch.get_num_threads(),
+              "decode": [decode(int(rows), args.shared, args.own, args.reps) for rows in args.rows.split(",")],
+              "prefill": prefill(args.prefill_rows, args.new, args.cached, args.reps)}
+    for entry in result["decode"]:
+        entry["speedup"] = round(entry["sdpa_ms"] / entry["shared_prefix_ms"], 2)
+    result["prefill"]["speedup"] = round(result["prefill"]["sdpa_ms"] / result["prefill"]["onednn_ms"], 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
