@@ -148,6 +148,22 @@ def test_columns_every_row_shares_are_read_once_and_change_no_token(tokenizer, m
     assert calls and set(calls) == {40}
 
 
+def test_shared_columns_decode_a_bfloat16_model(tokenizer, monkeypatch):
+    """A bfloat16 model's decode steps read the shared columns once too, and get attention outputs
+    in their own dtype (the merge runs in float32): every request runs to its end."""
+    models._use_spa_sdpa()
+    model = lively_model(tokenizer, heads=4, kv_heads=2).to(torch.bfloat16)
+    calls = []
+    real = models.shared_prefix_attention
+    monkeypatch.setattr(models, "shared_prefix_attention", lambda *args: calls.append(args[0].dtype) or real(*args))
+    rng = random.Random(6)
+    instruction = random_ids(rng, 40)
+    requests = [GenerationRequest(f"e{i}", instruction + random_ids(rng, 3 + i)) for i in range(4)]
+    outputs = HFBackend(model, tokenizer).generate(requests, SamplingParams(max_new_tokens=6, temperature=0.0, stop=()))
+    assert all(len(out.token_ids) == 6 or out.finish_reason == "eos" for out in outputs)
+    assert calls and set(calls) == {torch.bfloat16}
+
+
 def test_identical_prompts_are_prefilled_once(model, tokenizer):
     rng = random.Random(2)
     instruction = random_ids(rng, 30)

@@ -275,11 +275,13 @@ def test_masked_prefill_attention_equals_transformers_sdpa_under_grouped_heads(g
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_shared_prefix_attention_equals_transformers_sdpa(mask_kind):
+def test_shared_prefix_attention_equals_transformers_sdpa(mask_kind, dtype):
     """A decode step that reads the columns every row shares once for all rows (row 0's copy),
     each row's own columns under its mask, and merges the two by log-sum-exp gives transformers'
-    SDPA result: 6 query heads on 2 key/value heads, a row with padding among its own columns."""
+    SDPA result, in the query's dtype: 6 query heads on 2 key/value heads, a row with padding among
+    its own columns."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -288,18 +290,21 @@ def test_shared_prefix_attention_equals_transformers_sdpa(mask_kind):
     torch.manual_seed(0)
     module = torch.nn.Module().eval()
     module.num_key_value_groups, module.is_causal = 3, True
-    key, value = torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
+    dtype = getattr(torch, dtype)
+    key, value = torch.randn(3, 2, 12, 8, dtype=dtype), torch.randn(3, 2, 12, 8, dtype=dtype)
     key[1:, :, :5], value[1:, :, :5] = key[:1, :, :5], value[:1, :, :5]  # 5 shared columns
     keep = torch.ones(3, 1, 1, 12, dtype=torch.bool)
     keep[1, ..., 5:7] = False  # padding between the shared columns and the row's own
-    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
-    query = torch.randn(3, 6, 1, 8)
+    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+    query = torch.randn(3, 6, 1, 8, dtype=dtype)
     ours = shared_prefix_attention(query, key, value, mask, 5, 0.3)
     stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
-    assert ours.shape == stock.shape == (3, 1, 6, 8)
-    # Outputs are averages of values of magnitude < 5; each part's kernel and the merge's exp and
-    # log-sum-exp round in float32 (eps 1.2e-7): a few ulps of 5.
-    torch.testing.assert_close(ours, stock, rtol=0, atol=5e-6)
+    assert ours.shape == stock.shape == (3, 1, 6, 8) and ours.dtype == stock.dtype == dtype
+    # Outputs are averages of values of magnitude < 5. In float32 each part's kernel and the
+    # merge's exp and log-sum-exp round (eps 1.2e-7): a few ulps of 5. In bfloat16 (eps 7.8e-3)
+    # each part's output is rounded before the merge and the result once more: two ulps of 5.
+    atol = 5e-6 if dtype == torch.float32 else 0.08
+    torch.testing.assert_close(ours, stock, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 6])

@@ -446,12 +446,6 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 
     from stages.common import cpu_linear
 
-    if (attention_mask is not None and query.device.type == "cpu" and not torch.is_grad_enabled()
-            and not any(kwargs.get(name) is not None for name in SCORE_EXTRAS)):
-        if shared_columns and query.shape[2] == 1:
-            return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
-        if query.shape[2] > 1 and query.dtype == torch.float32 and cpu_linear.enabled:
-            return onednn_masked_attention(query, key, value, attention_mask, scaling), None
     if packed_layout is not None:
         from stages.common.prefix_tree import tree_attention
 
@@ -460,6 +454,12 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
                             "bias; set sft.share_prefix and ppo.share_prefix to false")
         return tree_attention(query, key, value, packed_layout, scaling, dropout if module.training else 0.0,
                               window=kwargs.get("sliding_window"))
+    if (attention_mask is not None and query.device.type == "cpu" and not torch.is_grad_enabled()
+            and not any(kwargs.get(name) is not None for name in SCORE_EXTRAS)):
+        if shared_columns and query.shape[2] == 1:
+            return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
+        if query.shape[2] > 1 and query.dtype == torch.float32 and cpu_linear.enabled:
+            return onednn_masked_attention(query, key, value, attention_mask, scaling), None
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
         return grouped_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
@@ -526,7 +526,7 @@ def shared_prefix_attention(query, key, value, attention_mask, shared: int, scal
     lse = torch.logaddexp(shared_lse, own_lse)
     out = shared_out * (shared_lse - lse).exp_().unsqueeze(-1)
     out += own_out * (own_lse - lse).exp_().unsqueeze(-1)
-    return out.reshape(rows, 1, heads, dim)
+    return out.to(query.dtype).reshape(rows, 1, heads, dim)  # the merge ran in float32 (the lse's dtype)
 
 
 def onednn_masked_attention(query, key, value, attention_mask, scaling: float | None):
