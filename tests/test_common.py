@@ -308,12 +308,13 @@ def test_shared_prefix_attention_equals_transformers_sdpa(mask_kind, dtype):
 
 
 @pytest.mark.parametrize("kv_heads", [2, 6])
-@pytest.mark.parametrize("mask_kind", ["bool", "float", "shared_batch"])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "shared_batch", "strided_keys"])
 def test_onednn_masked_attention_equals_transformers_sdpa(kv_heads, mask_kind):
     """A prefill of 4 new tokens over 5 cached columns as oneDNN products, a pair per row and
     key/value head, gives transformers' SDPA result: grouped heads or not, causal among the new
-    tokens, a left-padded row, a mask given per row or once for all rows; a padding query that may
-    attend to nothing comes out finite."""
+    tokens, a left-padded row, a mask given per row or once for all rows, keys and values strided
+    by the heads as a projection's output is; a padding query that may attend to nothing comes
+    out finite."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -323,6 +324,8 @@ def test_onednn_masked_attention_equals_transformers_sdpa(kv_heads, mask_kind):
     module = torch.nn.Module().eval()
     module.num_key_value_groups, module.is_causal = 6 // kv_heads, True
     key, value = torch.randn(2, kv_heads, 9, 8), torch.randn(2, kv_heads, 9, 8)
+    if mask_kind == "strided_keys":  # [rows, columns, heads, dim] seen as [rows, heads, columns, dim]
+        key, value = key.transpose(1, 2).contiguous().transpose(1, 2), value.transpose(1, 2).contiguous().transpose(1, 2)
     keep = torch.ones(2, 1, 4, 9, dtype=torch.bool).tril(diagonal=5)
     if mask_kind == "shared_batch":
         keep = keep[:1]

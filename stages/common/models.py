@@ -458,7 +458,8 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
             and not any(kwargs.get(name) is not None for name in SCORE_EXTRAS)):
         if shared_columns and query.shape[2] == 1:
             return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
-        if query.shape[2] > 1 and query.dtype == torch.float32 and cpu_linear.enabled:
+        # A prefill over cached keys (the hf backend's); a whole sequence at once stays SDPA's.
+        if 1 < query.shape[2] < key.shape[2] and query.dtype == torch.float32 and cpu_linear.enabled:
             return onednn_masked_attention(query, key, value, attention_mask, scaling), None
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
         return grouped_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -554,9 +555,12 @@ def onednn_masked_attention(query, key, value, attention_mask, scaling: float | 
     for row in range(rows):
         mask = attention_mask[row if attention_mask.shape[0] > 1 else 0]  # [1, q, columns]
         for head in range(kv_heads):
-            scores = mm_t(grouped[row, head], key[row, head]).view(group, q, columns)
+            # Dense [columns, dim] operands (a no-op for a KV cache's slices): on keys straight from
+            # the projection, strided by the heads, oneDNN falls back to its reference kernel.
+            keys, values = key[row, head].contiguous(), value[row, head].contiguous()
+            scores = mm_t(grouped[row, head], keys).view(group, q, columns)
             probs = scores.add_(mask).softmax(-1).view(group * q, columns)
-            out[row, head] = mm_t(probs, value[row, head].t())
+            out[row, head] = mm_t(probs, values.t())
     return out.view(rows, heads, q, dim).transpose(1, 2).contiguous()
 
 
