@@ -570,8 +570,10 @@ def _exchange(samples: list[Sample], parts: list[list[Sample]], fields: list[str
 
 
 def _reset_caches(backend: Any) -> None:
-    """Start a step's rollouts with no cached KV: caches from before an update are stale, and a
-    fresh start makes a step's rollouts the same whether or not the run was resumed before it."""
+    """Forget the rollout engine's cached KV (and the hf backend's packed weights). A step's rollouts
+    start with none: caches from before an update are stale, and a fresh start makes a step's
+    rollouts the same whether or not the run was resumed before it. The update starts with none
+    either: they would only sit beside its activations."""
     if hasattr(backend, "reset"):
         backend.reset()
 
@@ -709,6 +711,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             with timer("rollout"), _autocast(models.actor_engine):
                 _reset_caches(backend)
                 episodes = play_share(config, backend, step, seed_counter, dist, RolloutMeter(bar, f"step {step}"))
+                _reset_caches(backend)  # stale once the update starts: the KV and packed weights go before it allocates
             seed_counter += config.rollout.groups
             # 2. keep the groups whose rewards differ the most (every rank sees every score)
             with timer("exchange"):

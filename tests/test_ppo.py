@@ -451,6 +451,33 @@ def test_the_critic_steps_before_the_actors_backward_so_their_gradients_never_co
     assert seen == [("critic", 0)] * micros + trim + [("actor", 0)] * micros + trim
 
 
+def test_the_update_starts_without_the_rollouts_kv_or_packed_weights(tiny_model_dir, tmp_path, monkeypatch):
+    from stages.agent.backends.hf import HFBackend
+
+    held, real_update, real_play = [], ppo.update, ppo.play_share
+    backends = []
+
+    def play_share(config, backend, *args):
+        backends.append(backend)
+        episodes = real_play(config, backend, *args)
+        held.append(("rollouts", backend._prefix is not None, len(backend._linears._packed)))
+        return episodes
+
+    def update(*args, **kwargs):
+        backend = backends[-1]
+        held.append(("update", backend._prefix is not None or bool(backend._episodes), len(backend._linears._packed)))
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(ppo, "play_share", play_share)
+    monkeypatch.setattr(ppo, "update", update)
+    ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "ppo.zero_stage=0", "rollout.max_turns=1",
+                        "ppo.val_every=0"))
+    assert isinstance(backends[0], HFBackend)
+    (_, kv, packed), after = held
+    assert kv and packed > 0  # the rollouts cached the shared prefix's KV and packed the linear weights
+    assert after == ("update", False, 0)
+
+
 def test_scoring_in_the_update_makes_the_steps_of_separate_scoring_passes(answering_dir, tmp_path, monkeypatch):
     """One epoch over one mini-batch: the update's own forward passes give the values and the old
     log-probs (no pass before it), and two steps (the second with a trained critic) make the updates
