@@ -201,8 +201,7 @@ class _Trainer:
         from stages.training.policy import StepPolicy
 
         cfg = self.cfg
-        self.dist = trainable.start_processes(self.config.model, cfg.zero_stage, cfg.gradient_checkpointing,
-                                              to_dict(self.config))
+        self.dist = trainable.start_processes(self.config.model, cfg.zero_stage, to_dict(self.config))
         self.console = Console(self.config.quiet or not self.dist.main)
         saved = self.run_dir.prepare(self.dist, resuming, to_dict(self.config), settings(self.config), self.inputs)
         self.model, _, mixed = trainable.load_trainable(

@@ -263,8 +263,8 @@ class TrainingConfig(_Section):
         "shows a stage's memory with and without it). CUDA only; a CPU run ignores it."))
     gradient_checkpointing: bool = setting(False, help=(
         "Recompute activations in the backward pass instead of keeping them: less memory for long rows, "
-        "for a second forward pass. On the CPU it also hands freed memory back to the OS (SFT at once, PPO "
-        "after each network's optimizer step), at some speed: the next pass faults its pages in again."),
+        "for a second forward pass. In PPO on the CPU it also hands the heap's freed pages back to the OS "
+        "after each network's optimizer step, at some speed: the next pass faults them in again."),
         paper="SFT false, PPO true")
     lora_rank: int = setting(0, ge=0, help=(
         "LoRA adapters of this rank on every linear layer (of actor and critic in PPO); 0 is a full "

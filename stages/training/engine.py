@@ -64,19 +64,14 @@ DS_TAG = "state"
 # ---- processes ---------------------------------------------------------------------------------
 
 
-def setup_distributed(device: str, use_deepspeed: bool, low_memory: bool = False,
-                      config: dict[str, Any] | None = None) -> Dist:
+def setup_distributed(device: str, use_deepspeed: bool, config: dict[str, Any] | None = None) -> Dist:
     """This process's place in the run and, under DeepSpeed, the process group.
 
     The group is joined by `stages.common.distributed.start` (rendezvous with a timeout, the same
     `config` on every rank; without a launcher a one-process group on a free local port), then
     handed to DeepSpeed. Plain torch (`use_deepspeed` False) runs one process.
-    `low_memory` (the runs with gradient checkpointing) also makes a CPU process hand freed
-    memory back to the OS at once (`release_freed_memory_to_os`), which costs speed.
     """
     if device == "cpu":
-        if low_memory:
-            release_freed_memory_to_os()
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers imports deepspeed too; no CUDA probe warning
     if not use_deepspeed:
         if distributed.launched_world() > 1:
@@ -167,18 +162,6 @@ def _builders(build_dir: Path) -> list[int] | None:
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
-
-
-def release_freed_memory_to_os() -> None:
-    """Pin glibc's mmap threshold (at its 128 KiB default) so every large tensor gets its own
-    mapping and goes back to the OS when freed. glibc otherwise raises the threshold each time a
-    mapped block is freed, after which activations land in the heap and their freed pages stay
-    resident. That lowers the peak, but every large tensor then costs fresh page faults, which
-    slows training (docs/results.md), so only the low-memory mode (gradient checkpointing) pins it.
-    A no-op where glibc is absent (macOS, musl)."""
-    libc = _glibc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 128 * 1024)  # -3 is M_MMAP_THRESHOLD
 
 
 def return_freed_memory() -> None:

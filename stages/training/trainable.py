@@ -1,7 +1,7 @@
 """One setup of a trainable model and its engine, for `spa sft` and `spa ppo` alike.
 
     config = with_engine_stage(config, "sft")  # zero_stage "auto" resolved for this machine and launch
-    dist = start_processes(config.model, zero_stage, low_memory, to_dict(config))  # device, process group
+    dist = start_processes(config.model, zero_stage, to_dict(config))  # device, process group
     model, tokenizer, mixed = load_trainable(config.model, dist, ...)  # dtype, seed, checkpointing, LoRA
     engine = make_engine(model, dist, mixed, zero_stage, optim)         # DeepSpeed ZeRO or plain torch
 
@@ -35,12 +35,10 @@ def with_engine_stage(config: SPAConfig, kind: str) -> SPAConfig:
     return dataclasses.replace(config, **{kind: dataclasses.replace(section, zero_stage=chosen)})
 
 
-def start_processes(model: ModelConfig, zero_stage: int, low_memory: bool = False,
-                    config: dict[str, Any] | None = None) -> Dist:
+def start_processes(model: ModelConfig, zero_stage: int, config: dict[str, Any] | None = None) -> Dist:
     """This process's device and, under DeepSpeed, the process group, which every rank joins with
     the same `config` (the stage's whole config; see `engine.setup_distributed`)."""
-    return eng.setup_distributed(pick_device(model.device), use_deepspeed=zero_stage > 0, low_memory=low_memory,
-                                 config=config)
+    return eng.setup_distributed(pick_device(model.device), use_deepspeed=zero_stage > 0, config=config)
 
 
 def mixed_precision(model: ModelConfig, device: str) -> str | None:
