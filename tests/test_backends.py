@@ -322,6 +322,30 @@ def test_rows_finishing_at_different_steps(model, tokenizer):
         requests = [GenerationRequest(r.key, r.prompt_ids + o.token_ids + [77, 78]) for r, o in zip(requests, outputs)]
 
 
+def test_a_last_turn_keeps_no_kv_and_the_others_still_match_on_their_next_turn(model, tokenizer):
+    """Rows finishing at various steps leave the batch; those on their episode's last turn keep no
+    KV, the others keep it and their next turn matches a fresh prefill."""
+    rng = random.Random(9)
+    requests = [GenerationRequest(f"e{i}", random_ids(rng, 10 + 3 * i), last_turn=i % 2 == 0) for i in range(6)]
+    free = [fresh(model, tokenizer, r, GREEDY).token_ids for r in requests]
+    eos = frozenset(ids[2 + i] for i, ids in enumerate(free[:4]))  # rows end at various steps
+    backend = HFBackend(model, tokenizer, drop_fraction=0.1)
+    backend.eos_ids = eos
+    outputs = backend.generate(requests, GREEDY)
+    assert sorted(backend._episodes) == ["e1", "e3", "e5"]
+    check_cache_consistent(backend)
+    ref = HFBackend(model, tokenizer, batch_size=1)
+    ref.eos_ids = eos
+    assert [o.token_ids for o in outputs] == [ref.generate([r], GREEDY)[0].token_ids for r in requests]
+    assert len({len(o.token_ids) for o in outputs}) >= 3
+    follow = [GenerationRequest(r.key, r.prompt_ids + o.token_ids + [77, 78])
+              for r, o in zip(requests, outputs) if not r.last_turn]
+    reused = backend.stats["reused_tokens"]
+    again = backend.generate(follow, GREEDY)
+    assert backend.stats["reused_tokens"] - reused >= sum(len(r.prompt_ids) - 3 for r in follow)
+    assert [o.token_ids for o in again] == [ref.generate([r], GREEDY)[0].token_ids for r in follow]
+
+
 def test_progress_hears_each_decode_steps_tokens_and_each_completion_as_it_finishes(model, tokenizer):
     rng = random.Random(8)
     requests = [GenerationRequest(f"d{i}", random_ids(rng, 10 + 3 * i)) for i in range(6)]

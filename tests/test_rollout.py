@@ -103,6 +103,7 @@ class ScriptedBackend:
         self.prompts: dict[tuple[str, int], list[int]] = {}
         self.completions: dict[tuple[str, int], list[int]] = {}
         self.seeds: dict[tuple[str, int], int] = {}
+        self.last_turns: dict[tuple[str, int], bool] = {}
         self.released: list[str] = []
         self.batches: list[int] = []  # requests per call
         self.keys: list[list[tuple[str, ...]]] = []  # per call, the keys of each request
@@ -117,6 +118,7 @@ class ScriptedBackend:
             turn = sum(1 for key, _ in self.prompts if key == request.key) + 1
             self.prompts[(request.key, turn)] = list(request.prompt_ids)
             self.seeds[(request.key, turn)] = request.seed
+            self.last_turns[(request.key, turn)] = request.last_turn
             text = self.script[request.key][turn - 1]
             if self.tokenizer is None:
                 out.append(Completion(token_ids=[], text=text))
@@ -364,6 +366,12 @@ def test_each_request_has_a_seed_of_its_episode_and_turn_whatever_the_waves(corr
     assert seeds[0][("corridor-10-1", 2)] == stable_seed(0, "corridor-10-1-2", bits=31)
     _, other = run_script(batch_size=4, sample_seed=1)
     assert set(other.seeds.values()).isdisjoint(seeds[0].values())
+
+
+def test_only_the_last_allowed_turn_is_marked_last(corridor):
+    _, backend = run_script()  # max_turns 3: two episodes end earlier, by the game
+    assert backend.last_turns == {key: key[1] == 3 for key in backend.prompts}
+    assert sum(backend.last_turns.values()) == 2
 
 
 def test_a_puzzles_samples_share_one_n_request_on_their_first_turn(corridor, tokenizer):

@@ -125,7 +125,8 @@ class AgentProxy:
                 requests[-1].more_keys += (episode.id,)
             else:
                 requests.append(GenerationRequest(episode.id, ids, env_manager.game(episode).env,
-                                                  self._request_seed(episode, turn)))
+                                                  self._request_seed(episode, turn),
+                                                  last_turn=turn >= self.rollout.max_turns))
             last = episode
         return requests
 

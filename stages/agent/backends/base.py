@@ -46,6 +46,9 @@ class GenerationRequest:
     seed: int = 0
     # An n-request's further episodes, after `key`'s (see the module docstring).
     more_keys: tuple[str, ...] = ()
+    # The episode's last allowed turn: it ends after this completion whatever it says, so a backend
+    # keeps no state for it (the hf backend keeps no KV).
+    last_turn: bool = False
 
     @property
     def keys(self) -> tuple[str, ...]:

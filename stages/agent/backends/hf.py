@@ -25,10 +25,11 @@ right-aligned, left-padded; ``suffix`` is prefilled (right-aligned, so the last 
 row's last prompt token), then decoding appends one column per step. Padding *in the middle* of a
 row is harmless: pads are masked out and skipped by the position ids, so each real token sees
 exactly the tokens and positions it would see in a from-scratch prefill. Rows that finish early
-leave the batch once enough of them have (their KV copied out first, with `batch_select_indices`
-on the rest), so late steps run narrower.
+leave the batch once enough of them have (their KV copied out first, then the rest moved down in
+place, `batch_select_indices`), so late steps run narrower.
 
-After a call, each request's key maps to a ``_Cached``: the tokens whose KV is stored (prompt +
+After a call, each request's key maps to a ``_Cached`` (unless the request was its episode's last
+turn, `GenerationRequest.last_turn`, whose KV nothing will read): the tokens whose KV is stored (prompt +
 completion minus its last token, which was sampled but never fed) and where they live (a row of
 a ``_Block``, i.e. the slab as it was when the row finished; a block is freed once no key refers
 to it). The next call reuses, per request, the longest prefix its prompt shares with either
@@ -105,8 +106,13 @@ class _SlabLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.k_slab = self.k_slab.index_select(0, indices)
-        self.v_slab = self.v_slab.index_select(0, indices)
+        """Keep rows `indices` (ascending), moved down in place to the slab's first rows: the
+        finished rows' memory takes the survivors, where a gathered copy would hold both at once."""
+        for row, source in enumerate(indices.tolist()):
+            if row != source:  # row < source: a row is moved before its own slot is written
+                self.k_slab[row, :, :self.length].copy_(self.k_slab[source, :, :self.length])
+                self.v_slab[row, :, :self.length].copy_(self.v_slab[source, :, :self.length])
+        self.k_slab, self.v_slab = self.k_slab[:len(indices)], self.v_slab[:len(indices)]
         self._set_length(self.length)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -158,6 +164,7 @@ class _Row:
     prompt: list[int]
     source: _Cached | None
     reuse: int
+    keep: bool = True  # its KV is kept for the episode's next turn (not after its last one)
 
 
 # ---- backend -----------------------------------------------------------------------------
@@ -304,7 +311,7 @@ class HFBackend:
         if cached is not None:
             reuse = min(common_prefix_len(prompt, cached.tokens), len(prompt) - 1)
         self.stats["prompt_tokens"] += len(prompt)
-        return _Row(index, request.key, prompt, cached if reuse > 0 else None, reuse)
+        return _Row(index, request.key, prompt, cached if reuse > 0 else None, reuse, keep=not request.last_turn)
 
     def _share_prompts(self, rows: list[_Row]) -> None:
         """Let new episodes share work: point rows that reuse little of their own episode at the
@@ -527,7 +534,10 @@ class HFBackend:
     def _store(self, rows, tokens, members, cache, mask, column, batch_rows) -> None:
         """Remember, per finished row, the tokens whose KV is cached (prompt + completion minus its
         last token, never fed) and where: batch rows `batch_rows` of the slab (copied out), or the
-        whole slab (viewed, batch_rows None)."""
+        whole slab (viewed, batch_rows None). Rows after their episode's last turn keep nothing."""
+        kept = [(slab_row, i) for slab_row, i in enumerate(members) if rows[i].keep]
+        if not kept:
+            return
         if batch_rows is None:
             keys = [layer.k_slab[:, :, :column] for layer in cache.layers]
             values = [layer.v_slab[:, :, :column] for layer in cache.layers]
@@ -537,7 +547,7 @@ class HFBackend:
             keys = [layer.k_slab[:, :, :column].index_select(0, index) for layer in cache.layers]
             values = [layer.v_slab[:, :, :column].index_select(0, index) for layer in cache.layers]
             block = _Block(keys, values, mask[index, :column].cpu())
-        for slab_row, i in enumerate(members):
+        for slab_row, i in kept:
             self._episodes[rows[i].key] = _Cached(rows[i].prompt + tokens[i][:-1], block, slab_row)
 
     # ---- helpers ----
