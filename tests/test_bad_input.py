@@ -497,6 +497,22 @@ def test_a_full_disk_injected_in_process_leaves_nothing(bad, workspace, monkeypa
     assert snapshot(ws) == before
 
 
+def test_a_checkpoint_write_that_safetensors_fails_is_the_os_error_it_names(tmp_path):
+    from safetensors import SafetensorError
+
+    from stages.training.checkpoints import write_pretrained
+
+    class Failing:
+        def save_pretrained(self, path, **kwargs):
+            (Path(path) / "model.safetensors").write_bytes(b"half")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as raised:
+        write_pretrained(Failing(), None, tmp_path / "final")
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmp_path / "final")
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
 # ---- a real full disk: a tiny tmpfs in a user + mount namespace ------------------------------------
 
 

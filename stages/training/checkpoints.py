@@ -18,6 +18,8 @@ the resumed run logs those steps again.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,9 +149,24 @@ def write_pretrained(model, tokenizer, path: Path, state_dict: dict | None = Non
     merged, so that `AutoModelForCausalLM.from_pretrained` loads it as a plain model."""
     if is_peft(model):
         state_dict, model = merged_lora_state_dict(model), model.get_base_model()
+    from safetensors import SafetensorError
+
     with artifacts.atomic_dir(path) as tmp:
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        try:
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        except SafetensorError as err:  # a failed write (a full disk) comes as safetensors' own error
+            raise _as_os_error(err, path) from err
         tokenizer.save_pretrained(tmp)
+
+
+def _as_os_error(err: Exception, path: Path) -> Exception:
+    """The OSError that safetensors' message names ("... (os error 28)"), for the CLI's one-line
+    report and its fix; `err` itself where it names none."""
+    found = re.search(r"os error (\d+)", str(err))
+    if found is None:
+        return err
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def is_peft(model) -> bool:
