@@ -29,10 +29,10 @@ leave the batch once enough of them have (their KV copied out first, then the re
 place, `batch_select_indices`), so late steps run narrower.
 
 After a call, each request's key maps to a ``_Cached`` (unless the request was its episode's last
-turn, `GenerationRequest.last_turn`, whose KV nothing will read): the tokens whose KV is stored (prompt +
-completion minus its last token, which was sampled but never fed) and where they live (a row of
-a ``_Block``, i.e. the slab as it was when the row finished; a block is freed once no key refers
-to it). The next call reuses, per request, the longest prefix its prompt shares with either
+turn, `GenerationRequest.last_turn`, whose KV nothing will read): the tokens whose KV is stored
+(prompt + completion minus its last token, which was sampled but never fed) and where they live
+(a row of a ``_Block``, i.e. the slab as it was when the row finished; a block is freed once no
+key refers to it). The next call reuses, per request, the longest prefix its prompt shares with either
 
 * its key's cached tokens (the previous turn of the same episode), or
 * the shared prefix: the longest common prefix of the new episodes' prompts (system prompt +
@@ -543,12 +543,13 @@ class HFBackend:
             values = [layer.v_slab[:, :, :column] for layer in cache.layers]
             block = _Block(keys, values, mask[:, :column].cpu())
         else:
-            index = torch.tensor(batch_rows, device=self.device)
+            index = torch.tensor([batch_rows[slab_row] for slab_row, _ in kept], device=self.device)
             keys = [layer.k_slab[:, :, :column].index_select(0, index) for layer in cache.layers]
             values = [layer.v_slab[:, :, :column].index_select(0, index) for layer in cache.layers]
             block = _Block(keys, values, mask[index, :column].cpu())
-        for slab_row, i in kept:
-            self._episodes[rows[i].key] = _Cached(rows[i].prompt + tokens[i][:-1], block, slab_row)
+            kept = [(block_row, i) for block_row, (_, i) in enumerate(kept)]  # the copy's rows
+        for block_row, i in kept:
+            self._episodes[rows[i].key] = _Cached(rows[i].prompt + tokens[i][:-1], block, block_row)
 
     # ---- helpers ----
 
