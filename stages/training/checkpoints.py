@@ -155,18 +155,12 @@ def write_pretrained(model, tokenizer, path: Path, state_dict: dict | None = Non
         try:
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         except SafetensorError as err:  # a failed write (a full disk) comes as safetensors' own error
-            raise _as_os_error(err, path) from err
+            found = re.search(r"os error (\d+)", str(err))  # "... (os error 28)"
+            if found is None:
+                raise
+            code = int(found.group(1))  # as an OSError, the CLI reports it in one line with its fix
+            raise OSError(code, os.strerror(code), str(path)) from err
         tokenizer.save_pretrained(tmp)
-
-
-def _as_os_error(err: Exception, path: Path) -> Exception:
-    """The OSError that safetensors' message names ("... (os error 28)"), for the CLI's one-line
-    report and its fix; `err` itself where it names none."""
-    found = re.search(r"os error (\d+)", str(err))
-    if found is None:
-        return err
-    code = int(found.group(1))
-    return OSError(code, os.strerror(code), str(path))
 
 
 def is_peft(model) -> bool:
