@@ -32,7 +32,8 @@ After a call, each request's key maps to a ``_Cached`` (unless the request was i
 turn, `GenerationRequest.last_turn`, whose KV nothing will read): the tokens whose KV is stored
 (prompt + completion minus its last token, which was sampled but never fed) and where they live
 (a row of a ``_Block``, i.e. the slab as it was when the row finished; a block is freed once no
-key refers to it). The next call reuses, per request, the longest prefix its prompt shares with either
+key refers to it). The next call reuses, per request, the longest prefix its prompt shares with
+either
 
 * its key's cached tokens (the previous turn of the same episode), or
 * the shared prefix: the longest common prefix of the new episodes' prompts (system prompt +
