@@ -285,7 +285,8 @@ def build_models(config: SPAConfig) -> Models:
 
     def engine(module: nn.Module, lr: float):
         optim = eng.OptimSettings(lr, ADAM_BETAS, ppo.weight_decay, ppo.grad_clip, CONSTANT_LR_STEPS, 0.0)
-        return trainable.make_engine(module, dist, mixed, ppo.zero_stage, optim, ppo.offload, ppo.deepspeed_config)
+        return trainable.make_engine(module, dist, mixed, ppo.zero_stage, optim, ppo.offload, ppo.deepspeed_config,
+                                     out=Path(ppo.out))
 
     policy = StepPolicy(lm, config.rollout.temperature, value_lr=ppo.critic_lr if shared else None)
     actor_engine = engine(policy, ppo.actor_lr)

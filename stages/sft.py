@@ -215,7 +215,7 @@ class _Trainer:
                                   cfg.warmup_ratio)
         policy = StepPolicy(trainable.inner_lm(self.model), temperature=1.0)  # its log-probs: minus the loss
         self.engine = trainable.make_engine(policy, self.dist, mixed, cfg.zero_stage, optim, cfg.offload,
-                                            cfg.deepspeed_config)
+                                            cfg.deepspeed_config, out=self.run_dir.out)
         progress = self._restore() if saved is not None else Progress()
         self._announce(progress, saved is not None)
         resumed_after = progress.global_step if saved is not None else None

@@ -228,22 +228,28 @@ def test_val_before_train_off_validates_only_after_training(tiny_model_dir, tmp_
 
 def test_offload_and_a_deepspeed_config_reach_both_training_engines(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """The training settings PPO shares with SFT go to the actor's and the critic's engine alike;
-    on the CPU offload has nothing to move, which the opening line says."""
+    on the CPU with plain torch offload puts each network's optimizer state in a file in the run
+    directory between its steps, which the opening line says."""
     from stages.training import trainable
 
-    seen, make_engine = [], trainable.make_engine
+    seen, engines, make_engine = [], [], trainable.make_engine
 
-    def spy(module, dist, mixed, zero_stage, optim, offload=False, deepspeed_config=""):
-        seen.append((type(module).__name__, zero_stage, offload, deepspeed_config))
-        return make_engine(module, dist, mixed, zero_stage, optim, offload, deepspeed_config)
+    def spy(module, dist, mixed, zero_stage, optim, offload=False, deepspeed_config="", out=None):
+        seen.append((type(module).__name__, zero_stage, offload, deepspeed_config, out))
+        engines.append(make_engine(module, dist, mixed, zero_stage, optim, offload, deepspeed_config, out))
+        return engines[-1]
 
     monkeypatch.setattr(trainable, "make_engine", spy)
     ds_config = tmp_path / "ds.json"
     ds_config.write_text("{}")  # plain torch reads none: what is checked is where it goes
-    ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "ppo.zero_stage=0", "ppo.offload=true",
+    run = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, run, "ppo.steps=1", "ppo.zero_stage=0", "ppo.offload=true",
                         f"ppo.deepspeed_config={ds_config}", "quiet=false"))
-    assert seen == [("StepPolicy", 0, True, str(ds_config)), ("ValueModel", 0, True, str(ds_config))]
-    assert "plain torch (offload has no effect on a CPU run) on cpu" in capsys.readouterr().out
+    assert seen == [("StepPolicy", 0, True, str(ds_config), run), ("ValueModel", 0, True, str(ds_config), run)]
+    assert "plain torch, optimizer state on disk on cpu" in capsys.readouterr().out
+    for engine in engines:  # stepped, its moments parked, and the file closed at the end
+        assert engine.on_disk.parked and engine.on_disk.file.closed
+        assert all(value.dim() == 0 for state in engine.optimizer.state.values() for value in state.values())
 
 
 def test_the_default_engine_of_one_cpu_process_is_plain_torch_and_the_run_records_it(tiny_model_dir, tmp_path,
@@ -254,9 +260,9 @@ def test_the_default_engine_of_one_cpu_process_is_plain_torch_and_the_run_record
 
     seen, make_engine = [], trainable.make_engine
 
-    def spy(module, dist, mixed, zero_stage, optim, offload=False, deepspeed_config=""):
+    def spy(module, dist, mixed, zero_stage, optim, offload=False, deepspeed_config="", out=None):
         seen.append(zero_stage)
-        return make_engine(module, dist, mixed, zero_stage, optim, offload, deepspeed_config)
+        return make_engine(module, dist, mixed, zero_stage, optim, offload, deepspeed_config, out)
 
     monkeypatch.setattr(trainable, "make_engine", spy)
     config = tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "rollout.max_turns=1")

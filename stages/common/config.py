@@ -258,9 +258,13 @@ class TrainingConfig(_Section):
         "Your own DeepSpeed JSON instead of configs/deepspeed/zero{2,3}.json, for DeepSpeed options spa does "
         'not set ("auto" values are filled in from these settings).'))
     offload: bool = setting(False, help=(
-        "Keep the optimizer state (under ZeRO-3 the weights too) in CPU memory: a larger model fits a GPU, "
-        "at some speed: what lets a 3B model's PPO actor and critic fit one 80 GB GPU beside vLLM (`spa plan` "
-        "shows a stage's memory with and without it). CUDA only; a CPU run ignores it."))
+        "Keep the optimizer state out of the memory that computes. On CUDA: in CPU memory (under ZeRO-3 the "
+        "weights too): a larger model fits a GPU, at some speed: what lets a 3B model's PPO actor and critic "
+        "fit one 80 GB GPU beside vLLM (`spa plan` shows a stage's memory with and without it). On a CPU with "
+        "plain torch (zero_stage 0): AdamW's moments (8 bytes a parameter) in a file in the stage's output "
+        "directory between steps, written after each step and read back before the next, the same training "
+        "bit for bit: PPO's actor and critic moments are then never in memory together (docs/results.md, "
+        "the demo). DeepSpeed on a CPU ignores it."))
     gradient_checkpointing: bool = setting(False, help=(
         "Recompute activations in the backward pass instead of keeping them: less memory for long rows, "
         "for a second forward pass. In PPO on the CPU it also hands the heap's freed pages back to the OS "

@@ -41,6 +41,7 @@ rank) is built the same way on first use, under the same guard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -249,10 +250,84 @@ def state_mismatch(path: Path, err: RuntimeError) -> UserError:
                      "the run again without --resume, or resume it with the spa version that saved it")
 
 
-class TorchEngine:
-    """Plain torch: the model, fused AdamW, a LambdaLR, clipping, optional bf16 autocast."""
+class OptimizerStateOnDisk:
+    """An optimizer's per-parameter tensors (AdamW's two moments) held in a file between its steps:
+    `park` writes them and lets them go, `restore` reads them back into fresh tensors, bit for bit,
+    and `release` lets them go again unwritten when they have not changed since (a checkpoint's
+    write). The file has no name (`tempfile.TemporaryFile`), so it is gone when the process ends,
+    however it ends. Scalars (AdamW's step count) stay in memory."""
 
-    def __init__(self, model, settings: OptimSettings, device: str, autocast_dtype=None):
+    def __init__(self, optimizer, directory: Path):
+        import tempfile
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.optimizer = optimizer
+        self.file = tempfile.TemporaryFile(dir=directory)
+        self.layout: list[tuple[dict, str, Any, Any]] = []  # (state, key, shape, dtype) in file order
+        self.parked = False
+
+    def park(self) -> None:
+        import torch
+
+        self.file.seek(0)
+        self.layout = []
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    self.file.write(_bytes_of(value.contiguous()))  # a full disk: Python's OSError
+                    self.layout.append((state, key, value.shape, value.dtype))
+        self.file.flush()
+        self.release()
+
+    def release(self) -> None:
+        for state, key, _, _ in self.layout:
+            del state[key]
+        self.parked = True
+        return_freed_memory()  # the moments' pages, not only their addresses, go back to the OS
+
+    def restore(self) -> None:
+        import torch
+
+        if not self.parked:
+            return
+        self.file.seek(0)
+        for state, key, shape, dtype in self.layout:
+            tensor = torch.empty(shape, dtype=dtype)
+            view = _bytes_of(tensor)
+            if self.file.readinto(view) != len(view):
+                raise OSError(f"the optimizer state file ended early (expected {len(view)} bytes for {key!r})")
+            state[key] = tensor
+        self.parked = False
+
+    @contextlib.contextmanager
+    def read_back(self) -> Iterator[None]:
+        """The state in memory for a block that does not change it (a checkpoint's write)."""
+        if not self.parked:
+            yield
+            return
+        self.restore()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _bytes_of(tensor) -> memoryview:
+    """A contiguous CPU tensor's memory as bytes, without a copy."""
+    import torch
+
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class TorchEngine:
+    """Plain torch: the model, fused AdamW, a LambdaLR, clipping, optional bf16 autocast; with
+    ``offload_dir`` the optimizer state lives in a file there between steps (`OptimizerStateOnDisk`)."""
+
+    def __init__(self, model, settings: OptimSettings, device: str, autocast_dtype=None,
+                 offload_dir: Path | None = None):
         import torch
 
         self.module = model
@@ -262,6 +337,7 @@ class TorchEngine:
         self.grad_clip = settings.grad_clip
         self.device = device
         self.autocast_dtype = autocast_dtype
+        self.on_disk = OptimizerStateOnDisk(self.optimizer, offload_dir) if offload_dir is not None else None
 
     def __call__(self, **inputs):
         from stages.common.cpu_linear import onednn_training
@@ -285,7 +361,11 @@ class TorchEngine:
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        if self.on_disk is not None:
+            self.on_disk.restore()
         self.optimizer.step()
+        if self.on_disk is not None:
+            self.on_disk.park()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
@@ -294,7 +374,8 @@ class TorchEngine:
         import torch
 
         path.mkdir(parents=True, exist_ok=True)
-        with full_disk_as_oserror(path):
+        in_memory = self.on_disk.read_back() if self.on_disk is not None else contextlib.nullcontext()
+        with full_disk_as_oserror(path), in_memory:
             torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict(), "client": client}, path / STATE_FILE)
 
@@ -306,7 +387,11 @@ class TorchEngine:
             raise state_mismatch(path, err) from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        return state["client"]
+        client = state["client"]
+        if self.on_disk is not None:
+            del state  # the loaded moments' only other reference
+            self.on_disk.park()
+        return client
 
     def consolidated_state_dict(self) -> dict | None:
         return None  # the module holds every weight: save_pretrained reads it directly
@@ -317,7 +402,10 @@ class TorchEngine:
             yield name, param.detach()
 
     def close(self) -> None:
-        """Nothing outside this object holds the model or the optimizer state."""
+        """Nothing outside this object holds the model or the optimizer state (an offloaded state's
+        file has no name: closing it frees its disk space)."""
+        if self.on_disk is not None:
+            self.on_disk.close()
 
 
 class DeepSpeedEngine:
@@ -492,11 +580,13 @@ def _fill_auto(section: dict, values: dict[str, Any]) -> None:
 
 
 def build_engine(model, settings: OptimSettings, dist: Dist, zero_stage: int, offload: bool = False,
-                 mixed: str | None = None, ds_config_path: str = ""):
-    """The training engine for `model` (already on its device, in `master_dtype`)."""
+                 mixed: str | None = None, ds_config_path: str = "", offload_dir: Path | None = None):
+    """The training engine for `model` (already on its device, in `master_dtype`); `offload`: the
+    optimizer state in CPU memory (DeepSpeed on CUDA); `offload_dir`: in a file there between steps
+    (plain torch)."""
     compute = autocast_dtype(mixed, zero_stage, dist.device)
     if zero_stage == 0:
-        return TorchEngine(model, settings, dist.device, autocast_dtype=compute)
+        return TorchEngine(model, settings, dist.device, autocast_dtype=compute, offload_dir=offload_dir)
     if compute is not None:  # fp32 weights under autocast (see the module docstring)
         config = deepspeed_config(zero_stage, offload, settings.grad_clip, dist.device, None, ds_config_path, dist.world)
         return DeepSpeedEngine(model, settings, dist, config, autocast_dtype=compute)
@@ -522,8 +612,6 @@ def master_dtype(mixed: str | None, zero_stage: int, device: str) -> str:
 
 def autocast(device: str, dtype):
     """`torch.autocast` to `dtype` on the device type of `device`; a no-op when dtype is None."""
-    import contextlib
-
     import torch
 
     if dtype is None:

@@ -14,6 +14,7 @@ float16 needs loss scaling, which only DeepSpeed on CUDA does, so elsewhere it i
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.common.distributed import Dist, launched_world
@@ -84,18 +85,24 @@ def load_trainable(model: ModelConfig, dist: Dist, *, zero_stage: int, seed: int
 
 
 def make_engine(module, dist: Dist, mixed: str | None, zero_stage: int, optim: eng.OptimSettings,
-                offload: bool = False, deepspeed_config: str = ""):
+                offload: bool = False, deepspeed_config: str = "", out: Path | None = None):
     """The training engine of `module`: DeepSpeed ZeRO `zero_stage` (1-3), or plain torch (0).
-    `offload` moves the optimizer to the CPU, which a CPU run already is in (it is ignored there)."""
-    offload = offload and dist.device.startswith("cuda")
-    return eng.build_engine(module, optim, dist, zero_stage, offload, mixed, deepspeed_config)
+    `offload` keeps the optimizer state off the device that computes: on CUDA in CPU memory; on a
+    CPU, with plain torch, in a file in the stage's output directory `out` between steps (DeepSpeed
+    on a CPU ignores it)."""
+    cuda = dist.device.startswith("cuda")
+    to_disk = offload and not cuda and zero_stage == 0
+    return eng.build_engine(module, optim, dist, zero_stage, offload and cuda, mixed, deepspeed_config,
+                            offload_dir=out if to_disk else None)
 
 
 def describe_engine(training: TrainingConfig, device: str) -> str:
     """The engine a stage trains with, for its opening line: "ZeRO-2", "plain torch", and a note
     when `offload` is asked for where it has no effect."""
     engine = f"ZeRO-{training.zero_stage}" if training.zero_stage else "plain torch"
-    return engine + (" (offload has no effect on a CPU run)" if training.offload and device == "cpu" else "")
+    if training.offload and device == "cpu":
+        engine += " (offload has no effect under DeepSpeed on a CPU)" if training.zero_stage else ", optimizer state on disk"
+    return engine
 
 
 def enable_checkpointing(model) -> None:
