@@ -262,7 +262,7 @@ class OptimizerStateOnDisk:
 
         directory.mkdir(parents=True, exist_ok=True)
         self.optimizer = optimizer
-        self.file = tempfile.TemporaryFile(dir=directory)
+        self.file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (open for the engine's life, closed by close)
         self.layout: list[tuple[dict, str, Any, Any]] = []  # (state, key, shape, dtype) in file order
         self.parked = False
 
