@@ -56,7 +56,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stages.common.artifacts import atomic_dir
 from stages.common.errors import UserError
@@ -212,28 +212,71 @@ def _converted_builtin(name: str) -> Path:
     gguf_dir = Path(spec.origin).parent
     if not (gguf_dir / builtin.gguf_file).is_file():
         raise UserError(f"{builtin.pip} is installed but {builtin.gguf_file} is missing; reinstall it")
-    _convert_gguf(gguf_dir, builtin.gguf_file, target)
+    _convert_gguf(gguf_dir, builtin.gguf_file, SHIPPED_CONFIGS / name, target)
     return target
 
 
-def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
-    """De-quantize a GGUF model into a safetensors directory, atomically.
+def _convert_gguf(gguf_dir: Path, gguf_file: str, config: Path, target: Path) -> None:
+    """De-quantize a Llama-architecture GGUF model into a safetensors directory, atomically.
 
-    `save_pretrained` refuses a model loaded from GGUF, so the weights go into a fresh model built
-    from the same config without its quantization_config.
+    The tokenizer is transformers' reading of the GGUF; the config is the one spa ships for the
+    model (`config`, equal to transformers' reading of the GGUF's metadata); the weights are read
+    here (`gguf_weights`) rather than through transformers' GGUF loader, which parses the file
+    once more for the config and rebuilds gguf's name table for every module (most of its time).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    config = gguf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = type(gguf_model)(config)
-    model.load_state_dict(gguf_model.state_dict())
+    model_config = AutoConfig.from_pretrained(config)
+    with torch.device("meta"):  # no random initialisation of weights about to be replaced
+        model = AutoModelForCausalLM.from_config(model_config)
+    model.to_empty(device="cpu")
+    model.load_state_dict(gguf_weights(gguf_dir / gguf_file, model_config, model.state_dict().keys()))
+    model.tie_weights()
     with atomic_dir(target, replace=False) as tmp:  # another process may convert it at the same time
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+
+
+def gguf_weights(path: Path, config, names) -> dict[str, Any]:
+    """The tensors of a Llama-architecture GGUF file, de-quantized to fp32, under the Hugging Face
+    `names` (a state dict's keys; a tied LM head takes the embedding's tensor).
+
+    llama.cpp's converter stores each layer's query and key projections with every head's two
+    rotary halves interleaved; `_unpermute_rotary` restores Hugging Face's order.
+    """
+    import gguf
+    import torch
+
+    reader = gguf.GGUFReader(path)
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    weights = {}
+    for name in names:
+        source = tensors.get(table.get_name(name, try_suffixes=(".weight", ".bias")) or "")
+        if source is None and name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if source is None:
+            raise UserError(f"{path} has no tensor for {name}; it is not a Llama model spa can convert")
+        array = gguf.quants.dequantize(source.data, source.tensor_type)
+        weight = torch.from_numpy(array.reshape([int(n) for n in reversed(source.shape)]).astype("float32"))
+        if name.endswith("self_attn.q_proj.weight"):
+            weight = _unpermute_rotary(weight, config.num_attention_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            weight = _unpermute_rotary(weight, config.num_key_value_heads)
+        weights[name] = weight
+    if "lm_head.weight" in names and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def _unpermute_rotary(weight, heads: int):
+    """Undo llama.cpp's per-head permutation of a projection's rows: it interleaves each head's two
+    rotary halves (row i of the first half, then row i of the second), where Hugging Face keeps
+    the halves one after the other."""
+    rows, columns = weight.shape
+    return weight.reshape(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns).contiguous()
 
 
 def pick_device(device: str = "auto") -> str:
