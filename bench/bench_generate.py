@@ -26,7 +26,8 @@ once (``rollout.batch_size``). The model is the bundled SmolLM2-135M-Instruct in
 bfloat16`` adds ``engine_bf16``, the HF engine on a bf16 copy: faster on CPUs with native bf16
 matmul; and ``engine_autocast``, the engine on the float32 model under bf16 autocast, which is how
 `spa ppo` would roll out on its fp32 master weights without the bf16 copy it keeps for the
-rollouts: ``bf16_vs_autocast_tokens_per_s`` is that copy's speed-up). Each variant runs in its own
+rollouts: ``bf16_vs_autocast_tokens_per_s`` is that copy's speed-up; and ``vllm_bf16``, vLLM on the
+model in bf16, the yardstick of ``engine_bf16``). Each variant runs in its own
 interpreter, so its peak RSS is its own. Samples differ between the variants (different random
 streams), so tokens generated differ somewhat; the rates are what compare. Prints one JSON object;
 the targets are engine >= 3x naive and >= 1.5x vLLM tokens/s.
@@ -99,11 +100,11 @@ def child(variant: str, args: argparse.Namespace) -> dict:
         HFBackend._shared_columns = lambda self, rows: 0  # no columns declared shared: each row reads its own
     episodes = args.batch
     groups = episodes // args.group_size
-    backend_name = "vllm" if variant == "vllm" else "hf"
+    backend_name = "vllm" if variant.startswith("vllm") else "hf"
     config = load_config(None, [
         f"env.name={args.env}", f"rollout.max_turns={args.max_turns}", f"rollout.backend={backend_name}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={episodes}", f"model.name={args.model}",
-        f"model.dtype={'bfloat16' if variant == 'engine_bf16' else 'float32'}", "quiet=true"])
+        f"model.dtype={'bfloat16' if variant in ('engine_bf16', 'vllm_bf16') else 'float32'}", "quiet=true"])
     config.model.device = "cuda" if torch.cuda.is_available() else "cpu"
     modes = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
     torch.manual_seed(0)
@@ -158,7 +159,8 @@ def main() -> None:
                         help="bfloat16 also measures the HF engine on a bf16 copy of the model; auto does where "
                              "model.dtype auto picks bf16 on this CPU (where bf16 is emulated it takes minutes)")
     parser.add_argument("--variants", default="engine,engine_copied_prefix,engine_stock,vllm,naive",
-                        help="which backends to run (engine_bf16 and engine_autocast are added by --dtype bfloat16)")
+                        help="which backends to run (engine_bf16, engine_autocast and vllm_bf16 are added by --dtype "
+                             "bfloat16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -175,7 +177,8 @@ def main() -> None:
         from stages.common.models import pick_dtype
 
         args.dtype = str(pick_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
-    variants = args.variants.split(",") + (["engine_bf16", "engine_autocast"] if args.dtype == "bfloat16" else [])
+    bf16 = ["engine_bf16", "engine_autocast", "vllm_bf16"] if args.dtype == "bfloat16" else []
+    variants = args.variants.split(",") + [variant for variant in bf16 if variant != "vllm_bf16" or "vllm" in args.variants.split(",")]
     argv = [f"--model={args.model}", f"--env={args.env}", f"--group-size={args.group_size}",
             f"--max-turns={args.max_turns}", f"--max-new-tokens={args.max_new_tokens}"]
     result = {"model": args.model, "env": args.env, "max_turns": args.max_turns,
@@ -199,6 +202,9 @@ def main() -> None:
         if "engine_autocast" in runs:
             rate = runs["engine_bf16"]["tokens_per_s"] / runs["engine_autocast"]["tokens_per_s"]
             runs["bf16_vs_autocast_tokens_per_s"] = round(rate, 2)
+        if "engine_bf16" in runs and "vllm_bf16" in runs:
+            rate = runs["engine_bf16"]["tokens_per_s"] / runs["vllm_bf16"]["tokens_per_s"]
+            runs["engine_vs_vllm_bf16_tokens_per_s"] = round(rate, 2)
     print(json.dumps(result))
 
 
