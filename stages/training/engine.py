@@ -6,10 +6,11 @@
   process needs no launcher (a one-process group on a free port); several GPUs or nodes come from
   `torchrun` or `deepspeed --no_local_rank`, whose ranks `stages.common.distributed.start` joins
   (rendezvous with a timeout, the same config on every rank). `offload` moves the optimizer (and under ZeRO-3 the
-  parameters) to the CPU; on a CPU-only run it has nothing to offload from and is ignored.
+  parameters) to the CPU; on a CPU-only run DeepSpeed ignores it.
 * `zero_stage` 0: plain torch, one process, no DeepSpeed: fp32 weights (under bf16 autocast when
   the model dtype is bfloat16), fused AdamW. It is the fallback where DeepSpeed cannot start and
-  what most tests use.
+  what most tests use. With `offload` on a CPU it keeps AdamW's moments in a file between steps
+  (`OptimizerStateOnDisk`).
 
 Precision (`master_dtype`): a bfloat16 run keeps fp32 weights and computes in bf16. On CUDA,
 DeepSpeed does that itself (bf16 module, fp32 copies in the optimizer); plain torch, and every

@@ -97,8 +97,8 @@ def make_engine(module, dist: Dist, mixed: str | None, zero_stage: int, optim: e
 
 
 def describe_engine(training: TrainingConfig, device: str) -> str:
-    """The engine a stage trains with, for its opening line: "ZeRO-2", "plain torch", and a note
-    when `offload` is asked for where it has no effect."""
+    """The engine a stage trains with, for its opening line: "ZeRO-2", "plain torch", and what
+    `offload` does when a CPU run asks for it."""
     engine = f"ZeRO-{training.zero_stage}" if training.zero_stage else "plain torch"
     if training.offload and device == "cpu":
         engine += " (offload has no effect under DeepSpeed on a CPU)" if training.zero_stage else ", optimizer state on disk"
