@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -68,7 +69,7 @@ def atomic_dir(path: str | Path, replace: bool = True) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp"))
     try:
         tmp.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make artifacts private
-        with full_disk_as_oserror(tmp):
+        with full_disk_as_oserror(path):  # named as the user gave it, not the hidden copy
             yield tmp
         if path.exists() and not replace:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -119,17 +120,23 @@ def ensure_parent(path: Path) -> None:
 
 @contextlib.contextmanager
 def full_disk_as_oserror(directory: str | Path) -> Iterator[None]:
-    """torch.save and safetensors report a full disk as a RuntimeError ("unexpected pos ...") or a
-    SafetensorError, without an errno. When the target filesystem is indeed full, re-raise such a
-    failure as OSError(ENOSPC) naming `directory`, which the CLI reports in one line."""
+    """torch.save and safetensors report a failed write without an errno: a RuntimeError
+    ("unexpected pos ...") or a SafetensorError whose message ends in Rust's "(os error 28)".
+    Re-raise such a failure as the OSError it names, else, when the target filesystem is indeed
+    full, as OSError(ENOSPC), naming `directory`: the CLI reports an OSError in one line."""
     try:
         yield
     except OSError:
         raise
     except Exception as err:
-        if not _nearly_full(Path(directory)):
+        named = re.search(r"\(os error (\d+)\)", str(err))
+        if named is not None:
+            code = int(named.group(1))
+        elif _nearly_full(Path(directory)):
+            code = errno.ENOSPC
+        else:
             raise
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory)) from err
+        raise OSError(code, os.strerror(code), str(directory)) from err
 
 
 def _nearly_full(directory: Path) -> bool:

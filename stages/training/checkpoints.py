@@ -18,8 +18,6 @@ the resumed run logs those steps again.
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,17 +147,8 @@ def write_pretrained(model, tokenizer, path: Path, state_dict: dict | None = Non
     merged, so that `AutoModelForCausalLM.from_pretrained` loads it as a plain model."""
     if is_peft(model):
         state_dict, model = merged_lora_state_dict(model), model.get_base_model()
-    from safetensors import SafetensorError
-
-    with artifacts.atomic_dir(path) as tmp:
-        try:
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        except SafetensorError as err:  # a failed write (a full disk) comes as safetensors' own error
-            found = re.search(r"os error (\d+)", str(err))  # "... (os error 28)"
-            if found is None:
-                raise
-            code = int(found.group(1))  # as an OSError, the CLI reports it in one line with its fix
-            raise OSError(code, os.strerror(code), str(path)) from err
+    with artifacts.atomic_dir(path) as tmp:  # a failed write comes out as the OSError it names
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
 
 
