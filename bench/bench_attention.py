@@ -1,13 +1,15 @@
 """The hf engine's attention kernels on a CPU against SDPA's, at the shapes of bench_generate's rollouts.
 
 SmolLM2-135M's attention (9 query heads on 3 key/value heads of 64), float32, random tensors, 30
-calls a measurement (one per layer), as a decode step or a prefill forward makes them:
+calls a measurement, one per layer, each over its layer's own keys and values (read from memory,
+as a forward reads them), as a decode step or a prefill forward makes them:
 
 * ``decode``: one new token a row over the KV cache, whose first ``--shared`` columns (the
   instruction) are the same in every row and the next ``--own`` are each row's own. ``sdpa`` is
   SDPA's CPU kernel on the query heads regrouped per key/value head (`grouped_query_sdpa`'s decode
   path), reading every row's copy of the shared columns; ``shared_prefix`` is
-  `stages.common.models.shared_prefix_attention`, which reads them once for all rows.
+  `stages.common.models.shared_prefix_attention`, which reads them once for all rows and each
+  row's own columns with `own_columns_attention`.
 * ``prefill``: ``--new`` new tokens a row, causal among themselves, over ``--cached`` columns, a
   padded row mask (the second turn's prefill of a 16-episode run). ``sdpa`` is SDPA's CPU kernel
   with grouped heads (`grouped_query_sdpa`'s masked path); ``onednn`` is
@@ -33,13 +35,15 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 
 
 def timed(function, reps: int) -> float:
-    """Median milliseconds of ``LAYERS`` calls of `function`, after one warm-up round."""
-    function()
+    """Median milliseconds of `function` called for each of the ``LAYERS`` layers, after one
+    warm-up round."""
+    for layer in range(LAYERS):
+        function(layer)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        for _ in range(LAYERS):
-            function()
+        for layer in range(LAYERS):
+            function(layer)
         times.append((time.perf_counter() - start) * 1000)
     return round(statistics.median(times), 2)
 
@@ -51,22 +55,23 @@ def decode(rows: int, shared: int, own: int, reps: int) -> dict:
     from stages.common.models import shared_prefix_attention
 
     columns = shared + own
-    key, value = torch.randn(rows, KV_HEADS, columns, HEAD_DIM), torch.randn(rows, KV_HEADS, columns, HEAD_DIM)
-    key[1:, :, :shared], value[1:, :, :shared] = key[:1, :, :shared], value[:1, :, :shared]
+    keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
+    values = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
+    keys[:, 1:, :, :shared], values[:, 1:, :, :shared] = keys[:, :1, :, :shared], values[:, :1, :, :shared]
     mask = torch.ones(rows, 1, 1, columns, dtype=torch.bool)
     mask[::2, ..., shared:shared + 16] = False  # padding in half the rows
     query = torch.randn(rows, HEADS, 1, HEAD_DIM)
     scale = HEAD_DIM ** -0.5
 
-    def sdpa():
+    def sdpa(layer):
         grouped = query.reshape(rows, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
-        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(grouped, keys[layer], values[layer], attn_mask=mask, scale=scale)
         return out.reshape(rows, 1, HEADS, HEAD_DIM)
 
-    def shared_prefix():
-        return shared_prefix_attention(query, key, value, mask, shared, scale)
+    def shared_prefix(layer):
+        return shared_prefix_attention(query, keys[layer], values[layer], mask, shared, scale)
 
-    diff = (shared_prefix() - sdpa()).abs().max().item()
+    diff = (shared_prefix(0) - sdpa(0)).abs().max().item()
     return {"rows": rows, "shared_columns": shared, "own_columns": own, "sdpa_ms": timed(sdpa, reps),
             "shared_prefix_ms": timed(shared_prefix, reps), "max_abs_diff": diff}
 
@@ -78,21 +83,23 @@ def prefill(rows: int, new: int, cached: int, reps: int) -> dict:
     from stages.common.models import onednn_masked_attention
 
     columns = cached + new
-    key, value = torch.randn(rows, KV_HEADS, columns, HEAD_DIM), torch.randn(rows, KV_HEADS, columns, HEAD_DIM)
+    keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
+    values = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
     mask = torch.ones(columns, columns, dtype=torch.bool).tril()[-new:].expand(rows, 1, new, columns).clone()
     for row in range(rows):
         mask[row, ..., cached - 5 * row:cached] = False  # each row's own padding
     query = torch.randn(rows, HEADS, new, HEAD_DIM)
     scale = HEAD_DIM ** -0.5
 
-    def sdpa():
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    def sdpa(layer):
+        out = F.scaled_dot_product_attention(query, keys[layer], values[layer], attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
         return out.transpose(1, 2)
 
-    def onednn():
-        return onednn_masked_attention(query, key, value, mask, scale)
+    def onednn(layer):
+        return onednn_masked_attention(query, keys[layer], values[layer], mask, scale)
 
-    diff = (onednn() - sdpa()).abs().max().item()
+    diff = (onednn(0) - sdpa(0)).abs().max().item()
     return {"rows": rows, "new_tokens": new, "cached_columns": cached, "sdpa_ms": timed(sdpa, reps),
             "onednn_ms": timed(onednn, reps), "max_abs_diff": diff}
 

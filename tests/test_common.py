@@ -281,7 +281,7 @@ def test_shared_prefix_attention_equals_transformers_sdpa(mask_kind, dtype):
     """A decode step that reads the columns every row shares once for all rows (row 0's copy),
     each row's own columns under its mask, and merges the two by log-sum-exp gives transformers'
     SDPA result, in the query's dtype: 6 query heads on 2 key/value heads, a row with padding among
-    its own columns."""
+    its own columns and one that sees only the shared columns."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -295,6 +295,7 @@ def test_shared_prefix_attention_equals_transformers_sdpa(mask_kind, dtype):
     key[1:, :, :5], value[1:, :, :5] = key[:1, :, :5], value[:1, :, :5]  # 5 shared columns
     keep = torch.ones(3, 1, 1, 12, dtype=torch.bool)
     keep[1, ..., 5:7] = False  # padding between the shared columns and the row's own
+    keep[2, ..., 5:] = False  # a row that sees none of its own columns
     mask = keep if mask_kind == "bool" else torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
     query = torch.randn(3, 6, 1, 8, dtype=dtype)
     ours = shared_prefix_attention(query, key, value, mask, 5, 0.3)

@@ -44,6 +44,8 @@ the same keys and values in their first columns. A model call that passes ``shar
 reads its own columns from ``P`` on, and all rows' queries read row 0's shared columns together as
 one batch (`shared_prefix_attention`); the two partial results are merged by their log-sum-exps,
 which is the same softmax. A decode step thus reads the shared prefix once instead of once a row.
+In float32 the rows' own columns are two batched products and a softmax (`own_columns_attention`),
+which at a decode step's shape (a few queries a key/value head) beat SDPA's CPU kernel.
 A masked prefill over cached keys on a CPU in float32 (outside autograd) multiplies its scores and
 values with oneDNN (`onednn_masked_attention`), as `stages.common.cpu_linear` does the linear
 layers', instead of SDPA's CPU kernel, whose blocks go through the BLAS.
@@ -547,7 +549,11 @@ def shared_prefix_attention(query, key, value, attention_mask, shared: int, scal
     ``[rows, kv_heads, columns, dim]`` whose first ``shared`` columns are the same in every row and
     visible to every query; ``attention_mask`` ``[rows, 1, 1, columns]`` is boolean (True: attend)
     or additive. CPU only (it calls SDPA's CPU kernel for its log-sum-exps). Returns ``[rows, 1,
-    heads, dim]`` as transformers' attention functions do."""
+    heads, dim]`` as transformers' attention functions do.
+
+    In float32 each row's own columns are two batched products and a softmax
+    (`own_columns_attention`), which read a decode step's keys and values faster than SDPA's CPU
+    kernel; in other dtypes they stay SDPA's, which accumulates in float32."""
     import torch
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -561,16 +567,42 @@ def shared_prefix_attention(query, key, value, attention_mask, shared: int, scal
     shared_out, shared_lse = flash(all_rows, key[:1, :, :shared], value[:1, :, :shared], scale=scaling)
     shared_out = shared_out.view(kv_heads, rows, group, dim).transpose(0, 1)
     shared_lse = shared_lse.view(kv_heads, rows, group).transpose(0, 1)
-    # Each row's own columns, under its mask (the kernel takes an additive one).
+    # Each row's own columns, under its mask (additive, as the kernels take it).
     mask = attention_mask[..., shared:]
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
-    own_out, own_lse = flash(grouped, key[:, :, shared:], value[:, :, shared:], attn_mask=mask, scale=scaling)
+    if query.dtype == torch.float32:
+        own_sum, own_top, own_lse = own_columns_attention(grouped, key[:, :, shared:], value[:, :, shared:], mask,
+                                                          dim ** -0.5 if scaling is None else scaling)
+    else:
+        own_sum, own_lse = flash(grouped, key[:, :, shared:], value[:, :, shared:], attn_mask=mask, scale=scaling)
+        # The kernel gives a query that sees none of its own columns a log-sum-exp of 0, not -inf.
+        own_lse = own_lse.masked_fill((mask == float("-inf")).all(-1).view(rows, 1, 1), float("-inf"))
+        own_top = own_lse
     # One softmax over both parts: weight each part's output by its share of the total mass.
     lse = torch.logaddexp(shared_lse, own_lse)
     out = shared_out * (shared_lse - lse).exp_().unsqueeze(-1)
-    out += own_out * (own_lse - lse).exp_().unsqueeze(-1)
+    out += own_sum * (own_top - lse).exp_().unsqueeze(-1)
     return out.to(query.dtype).reshape(rows, 1, heads, dim)  # the merge ran in float32 (the lse's dtype)
+
+
+def own_columns_attention(query, key, value, mask, scale: float):
+    """Attention of ``query`` ``[rows, kv_heads, group, dim]`` over ``key``/``value`` ``[rows,
+    kv_heads, columns, dim]`` under an additive ``mask`` ``[rows, 1, 1, columns]``, left
+    unnormalised for `shared_prefix_attention`'s merge: returns the weighted sum of the values
+    ``[rows, kv_heads, group, dim]`` with weights ``exp(score - top)``, ``top`` (each query's
+    largest score) and the log-sum-exp of the scores, each ``[rows, kv_heads, group]``. A query
+    that may see none of the columns gets a zero sum, a finite ``top`` and a log-sum-exp of -inf,
+    so it adds nothing to the merge and never a NaN."""
+    import torch
+
+    # Keys times queries, so the BLAS streams the keys as its large operand instead of packing them
+    # for a product of a few query rows; then [.., group, columns], so each reduction is along a row.
+    scores = torch.matmul(key, (query * scale).transpose(-1, -2)).transpose(-1, -2).contiguous().add_(mask)
+    top = scores.amax(-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).min)
+    weights = scores.sub_(top).exp_()
+    lse = weights.sum(-1).log_().add_(top.squeeze(-1))
+    return torch.matmul(weights, value), top.squeeze(-1), lse
 
 
 def onednn_masked_attention(query, key, value, attention_mask, scaling: float | None):
