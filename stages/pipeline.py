@@ -815,7 +815,7 @@ def _release_memory() -> None:
     stage would start beside the last one's resident pages (docs/results.md)."""
     import gc
 
-    from stages.training.engine import return_freed_memory
+    from stages.common.rss import return_freed_memory
 
     gc.collect()
     torch = sys.modules.get("torch")

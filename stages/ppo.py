@@ -382,7 +382,7 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
                         totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
                 norms[name].append(_step(engine, name, step))
                 if dist.device == "cpu" and ppo.gradient_checkpointing:  # the low-memory mode: the pass's
-                    eng.return_freed_memory()  # freed activations go, at the cost of faulting them in again
+                    rss.return_freed_memory()  # freed activations go, at the cost of faulting them in again
             if old_in_update:  # every rank's, for the logged logp_diff
                 _exchange(samples, parts, ["old_logprobs"], dist)
     keys = sorted(totals)
@@ -574,9 +574,11 @@ def _reset_caches(backend: Any) -> None:
     """Forget the rollout engine's cached KV (and the hf backend's packed weights). A step's rollouts
     start with none: caches from before an update are stale, and a fresh start makes a step's
     rollouts the same whether or not the run was resumed before it. The update starts with none
-    either: they would only sit beside its activations."""
+    either: they would only sit beside its activations, as would the heap pages the rollouts'
+    forwards freed, which go back to the OS too (`rss.return_freed_memory`)."""
     if hasattr(backend, "reset"):
         backend.reset()
+    rss.return_freed_memory()
 
 
 def validate(config: SPAConfig, backend: Any, models: Models, step: int) -> dict[str, float]:

@@ -244,6 +244,31 @@ def test_a_model_in_training_keeps_no_packed_copy_after_a_call(tokenizer):
     assert backend._linears._packed or not backend._linears.supported(model)
 
 
+def test_a_call_on_a_cpu_runs_its_forwards_with_large_blocks_kept_in_the_heap(model, tokenizer, monkeypatch):
+    """Each forward of a call reuses the heap pages the previous one freed: the whole call runs
+    within `rss.blocks_kept_in_heap`, entered once and left before it returns."""
+    import contextlib
+
+    from stages.agent.backends import hf
+
+    events = []
+
+    @contextlib.contextmanager
+    def kept():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    monkeypatch.setattr(hf.rss, "blocks_kept_in_heap", kept)
+    hook = model.register_forward_pre_hook(lambda *_: events.append("forward"))
+    try:
+        HFBackend(model, tokenizer).generate([GenerationRequest("t", random_ids(random.Random(9), 10))], GREEDY)
+    finally:
+        hook.remove()
+    assert events[0] == "enter" and events[-1] == "exit" and events.count("enter") == events.count("exit") == 1
+    assert events[1:-1] == ["forward"] * (len(events) - 2) and len(events) - 2 >= 2
+
+
 def test_weight_update_invalidates_caches(tokenizer):
     model = lively_model(tokenizer, seed=5)
     rng = random.Random(5)

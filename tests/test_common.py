@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import math
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import FakeClock
@@ -96,6 +98,63 @@ def test_the_peak_rss_starts_again_at_each_stage_where_linux_allows(monkeypatch)
     after = rss.peak()
     assert after["peak_rss_since"] == "stage"
     assert now <= after["peak_rss_gb"] <= with_block - 0.25
+
+
+HEAP_PROBE = """
+import ctypes, json
+from stages.common import rss
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+mapped = lambda: libc.mallinfo2().hblkhd  # bytes in blocks that are mappings of their own
+block_size = 64 << 20
+seen = {"mapped_before": mapped()}
+rss.heap_at_steady_state()
+block = b"x" * block_size  # every page written
+seen["mapped_steady"] = mapped()
+del block
+with rss.blocks_kept_in_heap():
+    seen["rss_before"] = rss.current_gb()
+    block = b"x" * block_size
+    seen["mapped_kept"] = mapped()
+    del block
+    seen["rss_freed_inside"] = rss.current_gb()
+seen["rss_after"] = rss.current_gb()
+rss.return_freed_memory()
+seen["rss_returned"] = rss.current_gb()
+block = b"x" * block_size
+seen["mapped_steady_again"] = mapped()
+print(json.dumps(seen))
+"""
+
+
+def test_generation_keeps_large_blocks_in_the_heap_and_hands_them_back_after():
+    """glibc serves a 64 MiB block from a mapping of its own at the steady threshold (32 MiB), and
+    from the heap within `blocks_kept_in_heap`, where its pages stay resident after it is freed,
+    after the context too, until `return_freed_memory`; after the context the steady threshold
+    holds again."""
+    import ctypes
+    import json
+    import subprocess
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    seen = json.loads(out.stdout)
+    block_gb = (64 << 20) / 1e9
+    assert seen["mapped_steady"] - seen["mapped_before"] >= 64 << 20
+    assert seen["mapped_kept"] == seen["mapped_before"]
+    assert seen["rss_freed_inside"] - seen["rss_before"] >= 0.9 * block_gb
+    assert seen["rss_after"] - seen["rss_before"] >= 0.9 * block_gb
+    assert seen["rss_returned"] - seen["rss_before"] <= 0.1 * block_gb
+    assert seen["mapped_steady_again"] - seen["mapped_before"] >= 64 << 20
 
 
 def test_without_proc_the_peak_is_the_processs(monkeypatch, tmp_path):

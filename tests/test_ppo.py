@@ -446,15 +446,18 @@ def test_the_critic_steps_before_the_actors_backward_so_their_gradients_never_co
     monkeypatch.setattr(ppo, "_critic_backward", critic_backward)
     monkeypatch.setattr(ppo, "_actor_backward", actor_backward)
     # and in the low-memory mode, after each network's step, the heap's freed pages go back to the OS
-    monkeypatch.setattr(ppo.eng, "return_freed_memory", lambda: seen.append(("trim", 0)))
+    monkeypatch.setattr(ppo.rss, "return_freed_memory", lambda: seen.append(("trim", 0)))
     # one mini-batch of 4 episodes of about 40 tokens, in micro-batches of at most 64: several a network
     ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "ppo.zero_stage=0",
                         "ppo.mini_batch=4", "ppo.micro_batch_tokens=64", "ppo.share_prefix=false",
                         f"ppo.gradient_checkpointing={str(low_memory).lower()}"))
     trim = [("trim", 0)] if low_memory else []
-    micros = (len(seen) - len(trim) * 2) // 2
-    assert micros >= 2
-    assert seen == [("critic", 0)] * micros + trim + [("actor", 0)] * micros + trim
+    micros = seen.count(("critic", 0))
+    update = [("critic", 0)] * micros + trim + [("actor", 0)] * micros + trim
+    start = next(i for i, event in enumerate(seen) if event[0] != "trim")
+    assert micros >= 2 and seen[start:start + len(update)] == update
+    # around the update: the heap's pages the rollouts freed, and those of the step, go back too
+    assert set(seen[:start] + seen[start + len(update):]) == {("trim", 0)}
 
 
 def test_the_update_starts_without_the_rollouts_kv_or_packed_weights(tiny_model_dir, tmp_path, monkeypatch):
@@ -476,12 +479,15 @@ def test_the_update_starts_without_the_rollouts_kv_or_packed_weights(tiny_model_
 
     monkeypatch.setattr(ppo, "play_share", play_share)
     monkeypatch.setattr(ppo, "update", update)
+    # and the heap pages the rollouts' forwards freed go back to the OS before it
+    monkeypatch.setattr(ppo.rss, "return_freed_memory", lambda: held.append(("trim",)))
     ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.steps=1", "ppo.zero_stage=0", "rollout.max_turns=1",
                         "ppo.val_every=0"))
     assert isinstance(backends[0], HFBackend)
-    (_, kv, packed), after = held
+    rollouts = next(i for i, event in enumerate(held) if event[0] == "rollouts")
+    (_, kv, packed), trim, after = held[rollouts:rollouts + 3]
     assert kv and packed > 0  # the rollouts cached the shared prefix's KV and packed the linear weights
-    assert after == ("update", False, 0)
+    assert trim == ("trim",) and after == ("update", False, 0)
 
 
 def test_scoring_in_the_update_makes_the_steps_of_separate_scoring_passes(answering_dir, tmp_path, monkeypatch):

@@ -445,9 +445,14 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
 def load_model(config: ModelConfig, device: str | None = None, dtype: str | None = None):
     """Load the causal LM `config` names, for generation or training; returns (model, tokenizer).
-    `device` and `dtype` override the config's (training loads its master weights in float32)."""
+    `device` and `dtype` override the config's (training loads its master weights in float32).
+    First it sets glibc's heap to where its own rule would take it (`rss.heap_at_steady_state`), so
+    the process's first passes over the model do not fault in each large tensor anew."""
     from transformers import AutoModelForCausalLM
 
+    from stages.common import rss
+
+    rss.heap_at_steady_state()
     path = resolve_model(config.name)
     device = pick_device(device or config.device)
     torch_dtype = pick_dtype(dtype or config.dtype, device)

@@ -10,18 +10,39 @@ stage's figure then includes every earlier one's. A stage run alone (`spa sft`, 
 its process's peak, which is the stage's (imports included).
 
 Sizes are decimal gigabytes (1e9 bytes), as `free -g --si` and the benchmarks print them.
+
+glibc's heap is steered here too. glibc serves a block above its *mmap threshold* from a fresh
+mapping, whose pages fault in on first touch (each fault costs microseconds in a VM) and go back to
+the OS when it is freed; it starts that threshold at 128 KiB and raises it, up to 32 MiB, only as
+such blocks are freed, trimming the heap's top above twice the threshold. A fresh process's first
+forwards thus fault in most of their tensors anew. `load_model` starts the heap where glibc's own
+rule ends up (`heap_at_steady_state`); generation, whose tensors all die with each forward, keeps
+even larger blocks in the heap while it runs (`blocks_kept_in_heap`), so each forward reuses the
+last one's pages; `return_freed_memory` hands free pages back between stages and before training
+passes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import resource
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 CLEAR_REFS = Path("/proc/self/clear_refs")
 STATUS = Path("/proc/self/status")
 GB = 1e9
+
+#: mallopt's parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: glibc's ceiling for its dynamic mmap threshold on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX).
+STEADY_MMAP_THRESHOLD = 32 * 2**20
+#: While generating: a prefill forward's largest activations (thousands of tokens x the MLP's width)
+#: are tens of MB, all freed by the forward's end.
+GENERATION_MMAP_THRESHOLD = 2**30
 
 _reset_since_start = False
 
@@ -67,3 +88,57 @@ def _status_bytes(field: str) -> int | None:
 def _lifetime_peak_bytes() -> int:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak_rss if sys.platform == "darwin" else peak_rss * 1024  # bytes on macOS, KiB elsewhere
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS now (glibc's `malloc_trim`). Memory a pass freed
+    otherwise stays resident, and whatever is allocated next (another network's pass, the next
+    stage's model) comes on top of it instead of into it. A no-op where glibc is absent."""
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def heap_at_steady_state() -> None:
+    """Set glibc's mmap threshold to `STEADY_MMAP_THRESHOLD` and its trim threshold to twice that:
+    where its dynamic rule ends up, from the start (see the module docstring). A no-op where glibc
+    is absent."""
+    _set_thresholds(STEADY_MMAP_THRESHOLD)
+
+
+@contextlib.contextmanager
+def blocks_kept_in_heap() -> Iterator[None]:
+    """Within: every block up to `GENERATION_MMAP_THRESHOLD` comes from the heap and stays there
+    when freed, for the next forward to reuse. After: the steady thresholds again; the freed pages
+    stay in the heap for what the process allocates next (the next call's forwards), until
+    `return_freed_memory` hands them back. For code whose large tensors all die before it returns."""
+    if not _set_thresholds(GENERATION_MMAP_THRESHOLD):
+        yield
+        return
+    try:
+        yield
+    finally:
+        _set_thresholds(STEADY_MMAP_THRESHOLD)
+
+
+def _set_thresholds(mmap_threshold: int) -> bool:
+    """glibc's mmap threshold, and its trim threshold at twice that (at most C int's maximum), as
+    its dynamic rule pairs them; False where glibc is absent or refuses."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    trim = min(2 * mmap_threshold, 2**31 - 1)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, trim))
+
+
+@functools.cache
+def _glibc():
+    """The C library through ctypes, or None where it cannot be loaded."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None

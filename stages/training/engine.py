@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.common import distributed
+from stages.common import distributed, rss
 from stages.common.artifacts import full_disk_as_oserror
 from stages.common.console import Console
 from stages.common.distributed import Dist
@@ -166,27 +166,6 @@ def _builders(build_dir: Path) -> list[int] | None:
     return found
 
 
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS now (glibc's `malloc_trim`). Memory a pass freed
-    otherwise stays resident, and whatever is allocated next (another network's pass, the next
-    stage's model) comes on top of it instead of into it. A no-op where glibc is absent."""
-    libc = _glibc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
-def _glibc():
-    """The C library through ctypes, or None where it cannot be loaded."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
 def _quiet_deepspeed() -> None:
     import logging
 
@@ -284,7 +263,7 @@ class OptimizerStateOnDisk:
         for state, key, _, _ in self.layout:
             del state[key]
         self.parked = True
-        return_freed_memory()  # the moments' pages, not only their addresses, go back to the OS
+        rss.return_freed_memory()  # the moments' pages, not only their addresses, go back to the OS
 
     def restore(self) -> None:
         import torch

@@ -53,6 +53,7 @@ explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ from stages.agent.backends.base import (
     all_singles,
     end_token_ids,
 )
+from stages.common import rss
 from stages.common.cpu_linear import PackedLinears
 from stages.common.errors import UserError
 from stages.common.models import kept_columns
@@ -250,7 +252,7 @@ class HFBackend:
         was_training = model.training
         model.eval()
         try:
-            with torch.inference_mode(), self._linears.active():
+            with torch.inference_mode(), self._linears.active(), self._heap():
                 return self._generate(requests, params, report)
         finally:
             model.train(was_training)
@@ -570,6 +572,11 @@ class HFBackend:
             return any(s in text for s in stops)
 
         return check
+
+    def _heap(self):
+        """On a CPU, the tensors of each forward come from the heap the previous forward freed
+        (`stages.common.rss.blocks_kept_in_heap`), not from fresh mappings."""
+        return rss.blocks_kept_in_heap() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def _weights_fingerprint(self) -> tuple[int, int]:
         version = ptr = 0
