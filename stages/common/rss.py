@@ -109,9 +109,9 @@ def heap_at_steady_state() -> None:
 @contextlib.contextmanager
 def blocks_kept_in_heap() -> Iterator[None]:
     """Within: every block up to `GENERATION_MMAP_THRESHOLD` comes from the heap and stays there
-    when freed, for the next forward to reuse. After: the steady thresholds again; the freed pages
-    stay in the heap for what the process allocates next (the next call's forwards), until
-    `return_freed_memory` hands them back. For code whose large tensors all die before it returns."""
+    when freed, for the next forward to reuse. After: the steady thresholds again, under which
+    glibc may trim what is free above them at the heap's top; `return_freed_memory` hands back the
+    rest. For code whose large tensors all die before it returns."""
     if not _set_thresholds(GENERATION_MMAP_THRESHOLD):
         yield
         return
