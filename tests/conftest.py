@@ -16,10 +16,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 #: module-scoped fixtures and in every process it starts. The probe's own tests unset it.
 os.environ[CPU_DTYPE_ENV] = "float32"
 
-#: tests/vllm/ runs in pytest processes of its own (tests/test_vllm.py starts them, with this set):
+#: tests/vllm_engine/ (not tests/vllm/, which would import as `vllm` where vLLM is not installed) runs in
+#: pytest processes of its own (tests/test_vllm.py starts them, with this set):
 #: an in-process vLLM engine changes process-wide state that the other tests must not see.
 VLLM_CHILD = "SPA_VLLM_TESTS"
-collect_ignore = [] if os.environ.get(VLLM_CHILD) else ["vllm"]
+collect_ignore = [] if os.environ.get(VLLM_CHILD) else ["vllm_engine"]
 
 
 def pytest_configure(config):

