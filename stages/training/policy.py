@@ -128,7 +128,9 @@ def _head_scores(head, hidden, targets, temperature, with_entropy):
 
 
 def _scores(logits, targets, temperature, with_entropy):
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:  # x / 1 is x exactly: at 1 (SFT's, and the paper's PPO) skip a vocabulary-wide pass
+        logits = logits / temperature
     if with_entropy:
         return algos.logprobs_and_entropy(logits, targets)
     return algos.logprobs_from_logits(logits, targets), None
