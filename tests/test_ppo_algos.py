@@ -243,6 +243,26 @@ def test_logprobs_from_logits():
     torch.testing.assert_close(lp, torch.log(torch.tensor([[0.25, 0.8]])))
 
 
+def test_logprobs_from_logits_has_the_gradient_of_its_formula():
+    """Its own backward against autograd through log_softmax gathered at the tokens, in float64:
+    each entry is a * (onehot - p) with p = exp(L) from the float32 log-softmax, whose error is a
+    few roundings of the logits' range plus log(vocab)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 5, 11, generator=g) * 3).requires_grad_()
+    tokens = torch.randint(0, 11, (2, 5), generator=g)
+    a = torch.randn(2, 5, generator=g)
+    logprobs = algos.logprobs_from_logits(logits, tokens)
+    (ours,) = torch.autograd.grad((a * logprobs).sum(), logits)
+    exact = logits.detach().double().requires_grad_()
+    expected_logprobs = torch.log_softmax(exact, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    (expected,) = torch.autograd.grad((a.double() * expected_logprobs).sum(), exact)
+    assert torch.equal(logprobs, torch.log_softmax(logits.detach(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+    eps = torch.finfo(torch.float32).eps
+    bound = 8 * eps * (logits.detach().abs().max() + math.log(11) + 1) * a.abs().max()
+    assert (ours.double() - expected).abs().max() <= bound
+    assert ours.dtype == logits.dtype
+
+
 def test_kl_estimators():
     logp = torch.tensor([math.log(0.5), math.log(0.2)])
     ref = torch.tensor([math.log(0.25), math.log(0.4)])
