@@ -115,6 +115,8 @@ def test_a_launched_rank_closes_its_process_group_after_a_stage_that_succeeded(m
 
     from spa_cli import main
 
+    if torch.distributed.is_initialized():  # one-process stages run earlier in this process keep theirs
+        torch.distributed.destroy_process_group()
     monkeypatch.setenv("WORLD_SIZE", "2")
     store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
