@@ -69,7 +69,8 @@ steps and ``final/`` (Hugging Face directories of the actor with its tokenizer),
 ``val/step-N.json`` (`spa eval` reports with their trajectories, every ``ppo.val_every`` steps
 and after the last, before training unless ``ppo.val_before_train`` is off), ``manifest.json``, and
 ``trainer_state/`` for ``--resume`` (actor and critic engines with their optimizers, the step, the
-seed counter and the RNG state), written with each checkpoint.
+seed counter and the RNG state), written with each checkpoint; with final/ the engines' only where
+``ppo.final_state`` keeps them, for a later ``--resume`` with more ``--steps``.
 
 Simplifications compared with verl/RAGEN (SPA's trainer), nanochat style:
 
@@ -155,8 +156,8 @@ ADAM_BETAS = (0.9, 0.999)
 #: The metrics of the state reward an episode was paid (a sum over its turns): all, then its two parts.
 STATE_REWARD_METRICS = ("state_reward", "state_reward_observation", "state_reward_prediction")
 #: Settings that may differ between a run and its --resume without changing what is computed.
-RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "micro_batch_tokens",
-               "gradient_checkpointing", "share_prefix", "score_in_update", "deepspeed_config"}
+RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "final_state",
+               "micro_batch_tokens", "gradient_checkpointing", "share_prefix", "score_in_update", "deepspeed_config"}
 
 
 # ---- configuration checks ------------------------------------------------------------------------
@@ -641,9 +642,11 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
 # ---- checkpoints -----------------------------------------------------------------------------------
 
 
-def save_checkpoint(run_dir: RunDir, name: str, models: Models, progress: dict[str, Any]) -> None:
-    """The actor as a Hugging Face directory ``name`` (step-N/ or final/), then the trainer state
-    (every rank calls this; rank 0 writes the files, each rank its ZeRO shards)."""
+def save_checkpoint(run_dir: RunDir, name: str, models: Models, progress: dict[str, Any],
+                    with_optimizer: bool = True) -> None:
+    """The actor as a Hugging Face directory ``name`` (step-N/ or final/), then the trainer state,
+    without the engines' unless `with_optimizer` (every rank calls this; rank 0 writes the files,
+    each rank its ZeRO shards)."""
     save_hf_checkpoint(models.actor_engine, models.actor, models.tokenizer, run_dir.out / name, models.dist)
     client = {"rng": torch.get_rng_state()}
 
@@ -652,7 +655,16 @@ def save_checkpoint(run_dir: RunDir, name: str, models: Models, progress: dict[s
         if models.critic_engine is not None:
             models.critic_engine.save_state(tmp / "critic", {})
 
-    run_dir.save_state(models.dist, progress, write)
+    run_dir.save_state(models.dist, progress, write if with_optimizer else None)
+
+
+def check_extendable(run_dir: RunDir, steps: int) -> None:
+    """Refuse to extend a finished run that kept no optimizer state (``ppo.final_state: false``)."""
+    progress = run_dir.progress()
+    if progress is not None and progress["step"] < steps and not (run_dir.state / "actor").is_dir():
+        raise UserError(f"{run_dir.out} finished at step {progress['step']} without its optimizer state "
+                        f"(ppo.final_state was false), so it cannot go on to step {steps}; train on from "
+                        f"{run_dir.final} in a new run")
 
 
 def load_checkpoint(run_dir: RunDir, models: Models) -> torch.Tensor:
@@ -677,21 +689,24 @@ def run(config: SPAConfig) -> dict[str, Any]:
     ppo = config.ppo
     run_dir = RunDir(ppo.out, "ppo")
     resuming = run_dir.check(settings(config), ppo.resume)  # every rank, before any writes
+    if resuming:
+        check_extendable(run_dir, ppo.steps)
     models = build_models(config)
     dist, tokenizer = models.dist, models.tokenizer
     console = Console(config.quiet or not dist.main)
     saved = run_dir.prepare(dist, resuming, to_dict(config), settings(config))
     step, seed_counter, rng = 0, 0, None
     if saved is not None:
-        rng = load_checkpoint(run_dir, models)
         step, seed_counter = saved["step"], saved["seed_counter"]
+        if step < ppo.steps:  # a finished run has nothing to restore, and may have kept no optimizer
+            rng = load_checkpoint(run_dir, models)
     if dist.main:
         _forget_validations_after(run_dir.out, step if saved is not None else -1)
     distributed.barrier(dist)
     _announce(config, models, step, saved is not None, console)
     backend = make_backend(config.model, config.rollout, prompt_mode=ppo.prompt_mode, model=models.generator,
                            tokenizer=tokenizer, colocated=True)
-    if saved is not None:
+    if rng is not None:
         push_weights(models, backend, config)  # the engine loaded model.name's weights, not the restored ones
         torch.set_rng_state(rng)  # after the engine, which reseeds the process's generators
     system_length = None
@@ -756,7 +771,7 @@ def run(config: SPAConfig) -> dict[str, Any]:
             last = row
             progress = {"step": step, "seed_counter": seed_counter}
             if last_step:
-                save_checkpoint(run_dir, FINAL_DIR, models, progress)
+                save_checkpoint(run_dir, FINAL_DIR, models, progress, with_optimizer=ppo.final_state)
             elif step % ppo.save_every == 0:
                 save_checkpoint(run_dir, f"step-{step}", models, progress)
             bar.update(step, f"reward {row['reward']:.3f} success {row['success']:.2f}")

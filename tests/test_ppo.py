@@ -351,6 +351,24 @@ def test_resume_of_a_finished_run_does_nothing(two_steps, tiny_model_dir):
     assert (out / "metrics.jsonl").read_text() == before
 
 
+def test_a_run_without_its_final_state_trains_alike_and_cannot_be_extended(two_steps, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    _, full_out = two_steps
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.final_state=false", "ppo.save_every=100"))
+    assert sorted(p.name for p in (out / "trainer_state").iterdir()) == ["progress.json"]
+    assert json.loads((out / "trainer_state" / "progress.json").read_text())["step"] == 2
+    ours, full = load_file(out / "final" / "model.safetensors"), load_file(full_out / "final" / "model.safetensors")
+    assert all(torch.equal(ours[key], full[key]) for key in full)  # the same training: only the saving differs
+    before = (out / "metrics.jsonl").read_text()
+    assert ppo.run(tiny_config(tiny_model_dir, out, "ppo.resume=true", "ppo.final_state=false"))["steps"] == 2
+    assert (out / "metrics.jsonl").read_text() == before
+    with pytest.raises(UserError, match=(r"finished at step 2 without its optimizer state \(ppo.final_state was "
+                                         r"false\), so it cannot go on to step 3; train on from .*final in a new run")):
+        ppo.run(tiny_config(tiny_model_dir, out, "ppo.resume=true", "ppo.steps=3"))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["ppo.mini_batch=3"], (r"ppo.mini_batch=3 does not divide the episodes kept per step: rollout.groups=2 x "
                             r"ppo.filter_ratio=1.0 -> 2 groups x rollout.group_size=2 = 4")),

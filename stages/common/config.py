@@ -441,6 +441,10 @@ class PPOConfig(TrainingConfig):
         "already, to save a full eval."), paper="true")
     save_every: int = setting(100, ge=1, help="Write an HF checkpoint step-N/ every N steps (final/ is always written).",
                               paper="100")
+    final_state: bool = setting(True, help=(
+        "Keep the actor's and critic's optimizer state with final/, so that `--resume` with more --steps "
+        "extends the finished run. false writes final/ and the step reached only: the end of the run "
+        "skips writing about 12 bytes a parameter for each network (weights and AdamW moments in fp32)."))
 
 
 @dataclass
