@@ -2,13 +2,17 @@
 
 The step is `spa sft`'s own (`stages.sft._train_step`'s parts: `step_plan` and `collate` from
 `stages.training.sft_data`, `token_ce_sum`, the engine's backward and step), on SmolLM2-135M and
-the multi-turn Sokoban rows of `bench_sft.py` (one row per trajectory), `--rows-per-step` rows a
-step. Each variant runs in a fresh interpreter: one warm-up step (DeepSpeed's and the allocator's
+the multi-turn Sokoban rows of `bench_sft.py` (one row per trajectory), or the rows of an SFT file
+(`--data`, e.g. a demo run's `runs/demo/sft_data/selfplay.jsonl`), `--rows-per-step` rows a step,
+with `sft.gradient_checkpointing` where `--gradient-checkpointing` says so (the demo's). Each variant runs in a fresh interpreter: one warm-up step (DeepSpeed's and the allocator's
 first-use costs, Adam's state), then one step timed phase by phase and profiled with
 `torch.profiler`, whose operator times split the forward and backward into
 
-* ``matmul``: the linear layers and the LM head (``aten::mm``, ``addmm``, ``bmm``);
+* ``matmul``: the linear layers and the LM head (``aten::mm``, ``addmm``, ``bmm``, and oneDNN's
+  ``mkldnn::_linear_pointwise``, which computes them in fp32 training);
 * ``attention``: SDPA's kernels, forward and backward;
+* ``loss``: the log-softmax over the vocabulary at the trained positions and the gather of the
+  targets' log-probs, forward and backward;
 * ``copies``: casts, concatenations and gathers (autocast's bf16 copies of the weights among them);
 * ``other``: the rest (norms, activations, the loss, DeepSpeed's gradient hooks).
 
@@ -17,13 +21,14 @@ Variants: precision (fp32; bf16 = fp32 weights under bf16 autocast) x engine (De
 prefix sharing (`sft.share_prefix`).
 Prints one JSON object: per variant the phases' seconds, the profile's split, the tokens the rows
 hold and the tokens computed, the rate of the linear layers' matmuls inside the step (their FLOPs:
-6 x the weights of the layers x the tokens they see, the LM head on the trained tokens only, over
-the profile's matmul time), MFU (6 x parameters x computed tokens / step time, over the run's
+6 x the weights of the layers x the tokens they see, 8 x with the recomputed forward, the LM head
+on the trained tokens only, over the profile's matmul time), MFU (6 x parameters x computed tokens / step time, over the run's
 matmul peak in that precision, as `bench_sft.py`) and the peak RSS. A profile beside the
 benchmarks, not one of `make bench`: its figures are in docs/results.md.
 
-    python bench/profile_sft_step.py [--model smollm2-135m] [--rows-per-step 2]
-        [--dtype float32 --dtype bfloat16] [--variant z2_shared --variant z2_unshared --variant z0_unshared]
+    python bench/profile_sft_step.py [--model smollm2-135m] [--rows-per-step 2] [--data SFT.jsonl]
+        [--gradient-checkpointing] [--dtype float32 --dtype bfloat16]
+        [--variant z2_shared --variant z2_unshared --variant z0_unshared]
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = {"z2_shared": (2, True), "z2_unshared": (2, False), "z0_shared": (0, True), "z0_unshared": (0, False)}
-CATEGORIES = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm"),
+CATEGORIES = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
               "attention": ("scaled_dot_product", "flash_attention"),
+              "loss": ("aten::_log_softmax", "aten::gather", "aten::scatter"),
               "copies": ("aten::_to_copy", "aten::copy_", "aten::cat", "aten::index_select", "aten::clone")}
 
 
@@ -50,7 +56,8 @@ def category(op: str) -> str:
                 "other")
 
 
-def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, share: bool) -> dict:
+def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, share: bool,
+            checkpointing: bool) -> dict:
     """One variant's timed and profiled step (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -65,7 +72,8 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
                                     "quiet": True})
     cfg = config.sft
     dist = trainable.start_processes(config.model, stage)
-    model, tokenizer, mixed = trainable.load_trainable(config.model, dist, zero_stage=stage, seed=cfg.seed)
+    model, tokenizer, mixed = trainable.load_trainable(config.model, dist, zero_stage=stage, seed=cfg.seed,
+                                                       gradient_checkpointing=checkpointing)
     engine = trainable.make_engine(StepPolicy(model, temperature=1.0), dist, mixed, stage, eng.OptimSettings(
         cfg.lr, tuple(cfg.betas), cfg.weight_decay, cfg.grad_clip, 10, cfg.warmup_ratio), False, "")
     examples = tokenize_rows(read_rows(data), tokenizer, cfg.max_length)[0]
@@ -107,7 +115,8 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
         split[category(event.key)] = split.get(category(event.key), 0.0) + event.self_cpu_time_total / 1e6
     head = model.get_output_embeddings().weight.numel()  # the LM head runs on the trained tokens only
     body = params - model.get_input_embeddings().weight.numel() - (head if not model.config.tie_word_embeddings else 0)
-    matmul_flops = 6 * (body * timed["computed_tokens"] + head * timed["trained_tokens"])  # forward and backward
+    passes = 8 if checkpointing else 6  # forward and backward, and the forward again when recomputed
+    matmul_flops = passes * body * timed["computed_tokens"] + 6 * head * timed["trained_tokens"]
     return {**timed, "profile_s": {k: round(v, 3) for k, v in sorted(split.items())},
             "parameters": params,
             "matmul_gflops_in_step": round(matmul_flops / split.get("matmul", float("inf")) / 1e9, 1),
@@ -128,6 +137,8 @@ def main() -> None:
     parser.add_argument("--rows-per-step", type=int, default=2)
     parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"))
     parser.add_argument("--variant", action="append", choices=tuple(VARIANTS))
+    parser.add_argument("--data", help="an SFT JSONL file (spa clean's) instead of bench_sft.py's Sokoban rows")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="as sft.gradient_checkpointing")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -143,15 +154,16 @@ def main() -> None:
     from bench_sft import make_data
 
     work = Path(tempfile.mkdtemp(prefix="bench-sft-step-"))
-    data = str(make_data(work, rows=2 * args.rows_per_step + 2))
-    result: dict = {"model": args.model, "rows_per_step": args.rows_per_step, "device": "cpu"}
+    data = args.data or str(make_data(work, rows=2 * args.rows_per_step + 2))
+    result: dict = {"model": args.model, "rows_per_step": args.rows_per_step, "data": data,
+                    "gradient_checkpointing": args.gradient_checkpointing, "device": "cpu"}
     for dtype in args.dtype or ["float32", "bfloat16"]:
         peak = run_child({"kind": "peak", "dtype": dtype})["flops"]
         runs = {"matmul_peak_gflops": round(peak / 1e9, 1)}
         for name in args.variant or ["z2_shared", "z2_unshared", "z0_unshared"]:
             stage, share = VARIANTS[name]
             run = run_child({"kind": "step", "model": args.model, "data": data, "rows_per_step": args.rows_per_step, "dtype": dtype,
-                             "stage": stage, "share": share})
+                             "stage": stage, "share": share, "checkpointing": args.gradient_checkpointing})
             if "flops_per_s" in run:
                 run["mfu"] = round(run.pop("flops_per_s") / peak, 3)
                 run["tokens_per_s"] = round(run["tokens"] / run["step_s"], 1)
