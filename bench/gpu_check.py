@@ -13,7 +13,8 @@ interpreter and in this order:
   is installed;
 * ``sft_zero2``, ``sft_zero3``: 2 steps of `spa sft` under ZeRO-2 and ZeRO-3;
 * ``ppo``: 2 steps of `spa ppo` (ZeRO-2), its rollouts on vLLM where installed: the engine shares
-  the GPU with actor and critic, asleep during each update, woken with the new weights;
+  the GPU with actor and critic, asleep during each update, woken with the new weights; its
+  final/ without the optimizer state (see ``SMALL``);
 * ``eval``: one `spa eval`, on vLLM where installed.
 
 The settings are configs/gpu/qwen2.5-1.5b.yaml's (bf16, vLLM's share of the GPU, gradient
@@ -53,10 +54,13 @@ STAGES = (
     ("ppo", "ppo", ["ppo.zero_stage=2"]),
     ("eval", "eval", []),
 )
-#: Fewer puzzles, turns and steps than a real run, on either device.
+#: Fewer puzzles, turns and steps than a real run, on either device. PPO's final/ comes without the
+#: actor's and critic's optimizer state (ppo.final_state), which for the 1.5B model is about 40 GB
+#: (14 bytes a parameter under ZeRO-2 in bf16, each network): minutes of writing, and most of the
+#: machine's disk. The SFT stages still write DeepSpeed's state (sft.stop_after_steps).
 SMALL = ["rollout.groups=4", "rollout.group_size=4", "ppo.filter_ratio=0.5", "ppo.mini_batch=4", "ppo.steps=2",
-         "ppo.val_every=0", "ppo.save_every=100", "sft.stop_after_steps=2", "sft.global_batch=4", "sft.epochs=1",
-         "eval.seeds=8", "eval.pass_k=2", "clean.val_fraction=0", "quiet=true"]
+         "ppo.val_every=0", "ppo.save_every=100", "ppo.final_state=false", "sft.stop_after_steps=2",
+         "sft.global_batch=4", "sft.epochs=1", "eval.seeds=8", "eval.pass_k=2", "clean.val_fraction=0", "quiet=true"]
 ON_GPU = ["rollout.max_turns=2", "rollout.max_new_tokens=200"]
 TINY = ["model.dtype=float32", "model.device=cpu", "rollout.max_turns=1", "rollout.max_new_tokens=16",
         "rollout.groups=2", "rollout.group_size=2", "ppo.filter_ratio=1.0", "ppo.mini_batch=2", "eval.seeds=2",
