@@ -58,8 +58,8 @@ STAGES = (
 #: actor's and critic's optimizer state (ppo.final_state), which for the 1.5B model is about 40 GB
 #: (14 bytes a parameter under ZeRO-2 in bf16, each network): minutes of writing, and most of the
 #: machine's disk. The SFT stages still write DeepSpeed's state (sft.stop_after_steps).
-SMALL = ["rollout.groups=4", "rollout.group_size=4", "ppo.filter_ratio=0.5", "ppo.mini_batch=4", "ppo.steps=2",
-         "ppo.val_every=0", "ppo.save_every=100", "ppo.final_state=false", "sft.stop_after_steps=2",
+SMALL = ["rollout.groups=4", "rollout.group_size=4", "ppo.filter_ratio=0.5", "ppo.mini_batch=4",
+         "ppo.steps=2", "ppo.val_every=0", "ppo.save_every=100", "ppo.final_state=false", "sft.stop_after_steps=2",
          "sft.global_batch=4", "sft.epochs=1", "eval.seeds=8", "eval.pass_k=2", "clean.val_fraction=0", "quiet=true"]
 ON_GPU = ["rollout.max_turns=2", "rollout.max_new_tokens=200"]
 TINY = ["model.dtype=float32", "model.device=cpu", "rollout.max_turns=1", "rollout.max_new_tokens=16",

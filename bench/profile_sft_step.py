@@ -4,8 +4,9 @@ The step is `spa sft`'s own (`stages.sft._train_step`'s parts: `step_plan` and `
 `stages.training.sft_data`, `token_ce_sum`, the engine's backward and step), on SmolLM2-135M and
 the multi-turn Sokoban rows of `bench_sft.py` (one row per trajectory), or the rows of an SFT file
 (`--data`, e.g. a demo run's `runs/demo/sft_data/selfplay.jsonl`), `--rows-per-step` rows a step,
-with `sft.gradient_checkpointing` where `--gradient-checkpointing` says so (the demo's). Each variant runs in a fresh interpreter: one warm-up step (DeepSpeed's and the allocator's
-first-use costs, Adam's state), then one step timed phase by phase and profiled with
+with `sft.gradient_checkpointing` where `--gradient-checkpointing` says so (the demo's). Each
+variant runs in a fresh interpreter: one warm-up step (DeepSpeed's and the allocator's first-use
+costs, Adam's state), then one step timed phase by phase and profiled with
 `torch.profiler`, whose operator times split the forward and backward into
 
 * ``matmul``: the linear layers and the LM head (``aten::mm``, ``addmm``, ``bmm``, and oneDNN's
@@ -22,9 +23,9 @@ prefix sharing (`sft.share_prefix`).
 Prints one JSON object: per variant the phases' seconds, the profile's split, the tokens the rows
 hold and the tokens computed, the rate of the linear layers' matmuls inside the step (their FLOPs:
 6 x the weights of the layers x the tokens they see, 8 x with the recomputed forward, the LM head
-on the trained tokens only, over the profile's matmul time), MFU (6 x parameters x computed tokens / step time, over the run's
-matmul peak in that precision, as `bench_sft.py`) and the peak RSS. A profile beside the
-benchmarks, not one of `make bench`: its figures are in docs/results.md.
+on the trained tokens only, over the profile's matmul time), MFU (6 x parameters x computed tokens
+/ step time, over the run's matmul peak in that precision, as `bench_sft.py`) and the peak RSS. A
+profile beside the benchmarks, not one of `make bench`: its figures are in docs/results.md.
 
     python bench/profile_sft_step.py [--model smollm2-135m] [--rows-per-step 2] [--data SFT.jsonl]
         [--gradient-checkpointing] [--dtype float32 --dtype bfloat16]
