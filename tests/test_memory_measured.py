@@ -9,14 +9,14 @@ that peak, and not wildly more:
 
 * at least: a plan below the peak lets a run that cannot fit start and fail hours in;
 * at most `SLACK` (1.75) times it. The plan is an upper bound by construction: it counts the LM
-  head's vocabulary-wide tensors at a whole chunk of positions (341 at this vocabulary) and at 16
-  bytes an entry, the most a checkpointed chunk's backward holds, where a row scoring fewer
-  positions runs one chunk, not recomputed, of about 12 bytes an entry; and the layers'
-  activations at a full micro-batch. The head dominates these small models' steps: for the
-  unshared SFT rows here (291 trained positions) that is 341/291 x 16/12 = 1.56 on the head, and
-  the step measures 1.6; every other case measures 1.1 to 1.35. A plan that counts the head at
-  every scored position instead of a chunk's (3.2 times the peak here), counts too few bytes an
-  entry (SFT's former 10: 0.93, below the peak) or leaves out a part (the activations, the
+  head's vocabulary-wide tensors at a whole chunk of positions (341 at this vocabulary), at 16
+  bytes an entry in PPO's update (the most a checkpointed chunk's backward holds) and 8 in SFT's
+  step (its log-probs' backward turns the log-softmax into the gradient) with two head-sized
+  gradients beside them, where a row scoring fewer positions runs one chunk, not recomputed; and
+  the layers' activations at a full micro-batch. The cases measure 1.1 to 1.45. A plan that counts
+  the head at every scored position instead of a chunk's (3.2 times the PPO update's peak here),
+  counts SFT's head at PPO's 16 bytes (2.05 for the unshared rows), leaves out its two head-sized
+  gradients (0.99 for the shared rows, below the peak) or leaves out a part (the activations, the
   gradients) falls outside.
 """
 

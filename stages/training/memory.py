@@ -39,10 +39,11 @@ inputs of the attention and the MLP and their fp32 norms, queries, keys, values 
 output, the MLP's gate, up, activation and product), in every layer, or with gradient checkpointing
 each layer's input and one layer recomputed at a time; plus the LM head's vocabulary-wide tensors
 at the positions it runs at once: a chunk of `stages.training.policy.head_chunk` positions (or all
-of a micro-batch's, when fewer), in fp32: SFT's step and PPO's update run the same head path, whose
-checkpointed chunk holds up to 16 bytes a vocabulary entry in its backward (the recomputed logits,
-the log-softmax, its gradient and the logits'); PPO's scoring pass, no gradients, 10 (bf16 logits,
-their fp32 copy and the log-softmax). `tests/test_memory_measured.py` checks the plain
+of a micro-batch's, when fewer), in fp32: PPO's update holds up to 16 bytes a vocabulary entry in
+a checkpointed chunk's backward (the recomputed logits, the log-softmax, the logits' gradient and
+a temporary of the entropy's); SFT's step, whose log-probs need no entropy, 8 (the logits and the log-softmax,
+whose storage its backward turns into the logits' gradient: `ppo_algos.logprobs_from_logits`);
+PPO's scoring pass, no gradients, 10 (bf16 logits, their fp32 copy and the log-softmax). `tests/test_memory_measured.py` checks the plain
 torch plans against the peak a CPU training step really allocates. A micro-batch
 holds at most `micro_batch_tokens` tokens and as many positions of the LM head (prefix sharing
 computes a shared token once but scores it once per row or episode: both are bounded), or one row or
@@ -87,7 +88,7 @@ CUDA_CONTEXT = GiB // 2
 #: The GPU planned for when none is named and none is here: an 80 GB A100 or H100.
 DEFAULT_GPU_GIB = 79.2
 #: Bytes a vocabulary entry takes at each position the LM head runs at (see the module docstring).
-UPDATE_HEAD_BYTES, SCORING_HEAD_BYTES = 16, 10
+SFT_HEAD_BYTES, UPDATE_HEAD_BYTES, SCORING_HEAD_BYTES = 8, 16, 10
 #: The environment's text of the longest episode, in tokens: the system prompt, the instruction and
 #: the first state (the shipped games: at most 573, Sokoban's hard room with the world-model prompt),
 #: then each later turn's reward, state and format reminder with the chat template's markup (at most
@@ -308,7 +309,9 @@ def _sft(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
                  plan.gpus, w)
     trained, frozen = (s.lora_rank * shape.lora_dims, shape.params) if s.lora_rank else (shape.params, 0)
     states = model_states(trained, plan.gpus, zero, w, frozen, shape.largest_module_params)
-    acts = activations(shape, micro_batch_size("sft", config), s.gradient_checkpointing, UPDATE_HEAD_BYTES, w)
+    acts = activations(shape, micro_batch_size("sft", config), s.gradient_checkpointing, SFT_HEAD_BYTES, w)
+    if not s.lora_rank:  # a chunk's gradient of the LM head and its sum with the last: two at once, measured
+        acts += 2 * shape.vocab * shape.hidden * w
     if zero is None and w == 2:
         acts += 2 * (trained + frozen)  # autocast's bf16 copies of the fp32 weights
     _record(plan, states, acts)
