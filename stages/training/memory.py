@@ -41,10 +41,12 @@ each layer's input and one layer recomputed at a time; plus the LM head's vocabu
 at the positions it runs at once: a chunk of `stages.training.policy.head_chunk` positions (or all
 of a micro-batch's, when fewer), in fp32: PPO's update holds up to 16 bytes a vocabulary entry in
 a checkpointed chunk's backward (the recomputed logits, the log-softmax, the logits' gradient and
-a temporary of the entropy's); SFT's step, whose log-probs need no entropy, 8 (the logits and the log-softmax,
-whose storage its backward turns into the logits' gradient: `ppo_algos.logprobs_from_logits`);
-PPO's scoring pass, no gradients, 10 (bf16 logits, their fp32 copy and the log-softmax). `tests/test_memory_measured.py` checks the plain
-torch plans against the peak a CPU training step really allocates. A micro-batch
+a temporary of the entropy's); SFT's step, whose log-probs need no entropy, 8 (the logits and the
+log-softmax, whose storage its backward turns into the logits' gradient:
+`ppo_algos.logprobs_from_logits`), with two LM-head-sized weight gradients beside them (a chunk's
+and its sum with the last); PPO's scoring pass, no gradients, 10 (bf16 logits, their fp32 copy and
+the log-softmax). `tests/test_memory_measured.py` checks the plain torch plans against the peak a
+CPU training step really allocates. A micro-batch
 holds at most `micro_batch_tokens` tokens and as many positions of the LM head (prefix sharing
 computes a shared token once but scores it once per row or episode: both are bounded), or one row or
 episode longer than that alone (`micro_batch_size`): SFT's longest row is `sft.max_length` (one row
