@@ -201,7 +201,7 @@ def user_errors(command: Callable) -> Callable:
             # while an error below is being reported (a rank that lost its peer is stopped by the
             # launcher at that moment): either way the stage can be resumed, and says so
             _stop_resumably("interrupted", kwargs)
-        distributed.close()
+        distributed.exit_rank()
         return result
 
     return wrapper
@@ -209,10 +209,13 @@ def user_errors(command: Callable) -> Callable:
 
 def _reporting_errors(command: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
     from envs import EnvError
+    from stages.common import distributed
     from stages.common.errors import UserError
 
     try:
-        return command(*args, **kwargs)
+        result = command(*args, **kwargs)
+        distributed.wait_for_all_ranks()
+        return result
     except (UserError, EnvError) as err:
         _fail(str(err))
     except OSError as err:
@@ -221,9 +224,7 @@ def _reporting_errors(command: Callable, args: tuple, kwargs: dict[str, Any]) ->
         where = f": {err.filename}" if err.filename else ""
         _fail(f"{err.strerror}{where}; {OS_ERROR_FIXES[err.errno]}")
     except Exception as err:
-        from stages.common.distributed import lost_peer
-
-        if not lost_peer(err):
+        if not distributed.lost_peer(err):
             raise
         _stop_resumably("another rank of this run stopped, so this one stops too", kwargs)
 

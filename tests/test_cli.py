@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 import yaml
 from typer.testing import CliRunner
 
@@ -108,28 +109,32 @@ def test_an_interrupt_ends_with_the_resume_hint_even_while_an_error_is_reported(
     assert capsys.readouterr().err.strip() == "interrupted; run the same command again with --resume to resume"
 
 
-def test_a_launched_rank_closes_its_process_group_after_a_stage_that_succeeded(monkeypatch):
-    """Left to the interpreter's exit, gloo's threads can abort a rank that finished first; a
-    stage that succeeded closes the group itself (and only in a launched run of several ranks)."""
+def test_a_launched_rank_waits_for_the_others_and_exits_at_once_after_a_stage_that_succeeded(monkeypatch):
+    """Left to the interpreter's exit, gloo's C++ threads can abort a finished rank: a stage that
+    succeeded waits at a barrier for the other ranks, then ends its process with status 0 (only in
+    a launched run of several ranks; one process keeps its group for the next stage)."""
     import torch
 
     from spa_cli import main
+    from stages.common import distributed
 
-    if torch.distributed.is_initialized():  # one-process stages run earlier in this process keep theirs
-        torch.distributed.destroy_process_group()
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    calls = []
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(distributed.os, "_exit", lambda status: calls.append(f"exit {status}"))
     store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        assert main.user_errors(lambda: "done")() == "done"
-        assert not torch.distributed.is_initialized()
-        monkeypatch.setenv("WORLD_SIZE", "1")  # one process keeps its group for the next stage
-        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-        main.user_errors(lambda: None)()
-        assert torch.distributed.is_initialized()
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        assert main.user_errors(lambda: "done")() == "done" and calls == []
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        main.user_errors(lambda: calls.append("stage"))()
+        assert calls == ["stage", "barrier", "exit 0"]
+        calls.clear()
+        with pytest.raises(typer.Exit) as failed:
+            main.user_errors(lambda: main._fail("bad input"))()
+        assert failed.value.exit_code == 2 and calls == []  # a failed stage neither waits nor exits early
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
 
 
 def test_envs_lists_the_games(monkeypatch):

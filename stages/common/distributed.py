@@ -164,14 +164,29 @@ def start(device: str, config: dict[str, Any], need_group: bool = False) -> Dist
     return Dist(rank, world, local_rank, device)
 
 
-def close() -> None:
-    """Close a launched run's process group once this rank's stage has succeeded: gloo's worker
-    threads then stop while the interpreter is whole. Left to the interpreter's exit, they can abort
-    a rank that finished first (SIGABRT, "terminate called without an active exception")."""
+def wait_for_all_ranks() -> None:
+    """Once this rank's stage has succeeded, wait for every other rank of a launched run to finish
+    its own: `exit_rank` then takes nothing away from a peer that still needs this one."""
+    if _launched_group():
+        sys.modules["torch"].distributed.barrier()
+
+
+def exit_rank() -> None:
+    """End this process at once, with exit status 0, if it is one rank of a launched run of several
+    (after `wait_for_all_ranks`). The interpreter's own exit tears down gloo's C++ threads, and that
+    can abort a finished rank (SIGABRT, "terminate called without an active exception"), which the
+    launcher counts as a failed run, even with the process group destroyed first. Every artifact is
+    already closed by then; only the console is flushed."""
+    if _launched_group():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _launched_group() -> bool:
     torch = sys.modules.get("torch")
-    if launched_world() > 1 and torch is not None and torch.distributed.is_available() \
-            and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    return launched_world() > 1 and torch is not None and torch.distributed.is_available() \
+        and torch.distributed.is_initialized()
 
 
 def _rendezvous(rank: int, world: int, config: dict[str, Any]):
