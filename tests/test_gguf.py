@@ -40,3 +40,39 @@ def test_the_builtin_model_converts_to_what_transformers_reads_from_the_gguf(tmp
     saved = json.loads((tmp_path / "model" / "config.json").read_text())
     assert {key: config.get(key) for key in saved if key != "transformers_version"} == {
         key: value for key, value in saved.items() if key != "transformers_version"}
+
+
+def test_the_tensor_table_is_read_as_ggufs_own_reader_reads_it(tmp_path):
+    """A file with string and nested-array metadata, an alignment of 64 and tensors of three types:
+    each tensor's shape, type and bytes equal gguf's `GGUFReader`'s (which parses every value)."""
+    import gguf
+    import numpy as np
+
+    from stages.common.models import _gguf_tensors
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "déf"] * 7)
+    writer.add_array("nested", [[1, 2], [3]])
+    writer.add_string("general.name", "tiny")
+    rng = np.random.default_rng(0)
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)
+    q8 = gguf.quants.quantize(rng.standard_normal((2, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("a.weight", f32)
+    writer.add_tensor("b.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("c.weight", np.arange(7, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = _gguf_tensors(path)
+    theirs = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert sorted(ours) == sorted(theirs) == ["a.weight", "b.weight", "c.weight"]
+    assert {name: (shape, kind) for name, (_, kind, shape) in ours.items()} == {
+        "a.weight": ((3, 5), gguf.GGMLQuantizationType.F32), "b.weight": ((2, 64), gguf.GGMLQuantizationType.Q8_0),
+        "c.weight": ((7,), gguf.GGMLQuantizationType.F16)}
+    for name, (data, kind, shape) in ours.items():
+        assert bytes(data) == bytes(theirs[name].data.view(np.uint8)), name
+    assert np.array_equal(gguf.quants.dequantize(ours["a.weight"][0], gguf.GGMLQuantizationType.F32).reshape(3, 5), f32)

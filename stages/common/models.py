@@ -251,9 +251,8 @@ def gguf_weights(path: Path, config, names) -> dict[str, Any]:
     import gguf
     import torch
 
-    reader = gguf.GGUFReader(path)
     table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    tensors = _gguf_tensors(path)
     weights = {}
     for name in names:
         source = tensors.get(table.get_name(name, try_suffixes=(".weight", ".bias")) or "")
@@ -261,8 +260,9 @@ def gguf_weights(path: Path, config, names) -> dict[str, Any]:
             continue
         if source is None:
             raise UserError(f"{path} has no tensor for {name}; it is not a Llama model spa can convert")
-        array = gguf.quants.dequantize(source.data, source.tensor_type)
-        weight = torch.from_numpy(array.reshape([int(n) for n in reversed(source.shape)]).astype("float32"))
+        data, ggml_type, shape = source
+        array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(ggml_type))
+        weight = torch.from_numpy(array.reshape(shape).astype("float32"))
         if name.endswith("self_attn.q_proj.weight"):
             weight = _unpermute_rotary(weight, config.num_attention_heads)
         elif name.endswith("self_attn.k_proj.weight"):
@@ -271,6 +271,78 @@ def gguf_weights(path: Path, config, names) -> dict[str, Any]:
     if "lm_head.weight" in names and "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights
+
+
+#: Bytes of each fixed-size GGUF metadata value type (8 is a string, 9 an array).
+_GGUF_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_tensors(path: Path) -> dict[str, tuple[Any, int, tuple[int, ...]]]:
+    """Each tensor of a GGUF file (v2 or v3) by its GGUF name: its bytes (a view of the mapped
+    file, one row of bytes per row of the tensor), its ggml type and its shape in torch's order.
+
+    Only the tensor table is read: the metadata before it (the vocabulary's tens of thousands of
+    strings) is stepped over, where gguf's `GGUFReader` makes a numpy view of every value.
+    """
+    import struct
+
+    import gguf
+    import numpy as np
+
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    if bytes(blob[:4]) != b"GGUF" or struct.unpack_from("<I", blob, 4)[0] not in (2, 3):
+        raise UserError(f"{path} is not a GGUF file of version 2 or 3; spa cannot convert it")
+    tensor_count, value_count = struct.unpack_from("<QQ", blob, 8)
+    pos, alignment = 24, 32  # llama.cpp's default alignment of the data section
+    for _ in range(value_count):
+        key, pos = _gguf_string(blob, pos)
+        (kind,) = struct.unpack_from("<I", blob, pos)
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", blob, pos + 4)
+        pos = _skip_gguf_value(blob, pos + 4, kind)
+    entries = []
+    for _ in range(tensor_count):
+        name, pos = _gguf_string(blob, pos)
+        (dims,) = struct.unpack_from("<I", blob, pos)
+        shape = tuple(reversed(struct.unpack_from(f"<{dims}Q", blob, pos + 4)))  # ggml lists the fastest first
+        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+        pos += 16 + 8 * dims
+        entries.append((name, shape, ggml_type, offset))
+    data_start = -(-pos // alignment) * alignment
+    tensors = {}
+    for name, shape, ggml_type, offset in entries:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+        row_bytes = shape[-1] // block * block_bytes
+        start = data_start + offset
+        rows = blob[start:start + row_bytes * (int(np.prod(shape)) // shape[-1])]
+        tensors[name] = (rows.reshape(*shape[:-1], row_bytes), ggml_type, shape)
+    return tensors
+
+
+def _gguf_string(blob, pos: int) -> tuple[str, int]:
+    import struct
+
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    return bytes(blob[pos + 8:pos + 8 + length]).decode("utf-8"), pos + 8 + length
+
+
+def _skip_gguf_value(blob, pos: int, kind: int) -> int:
+    """The offset just past a GGUF metadata value of type `kind` at `pos`."""
+    import struct
+
+    if kind in _GGUF_VALUE_BYTES:
+        return pos + _GGUF_VALUE_BYTES[kind]
+    if kind == 8:
+        return pos + 8 + struct.unpack_from("<Q", blob, pos)[0]
+    if kind != 9:
+        raise UserError(f"a GGUF metadata value of unknown type {kind}; spa cannot convert this file")
+    item_kind, count = struct.unpack_from("<IQ", blob, pos)
+    pos += 12
+    if item_kind in _GGUF_VALUE_BYTES:
+        return pos + count * _GGUF_VALUE_BYTES[item_kind]
+    for _ in range(count):
+        pos = _skip_gguf_value(blob, pos, item_kind)
+    return pos
 
 
 def _unpermute_rotary(weight, heads: int):
