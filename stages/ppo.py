@@ -355,8 +355,10 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
         engine.module.train()
     totals: dict[str, float] = {}
     norms: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(ppo.ppo_epochs):
-        for mini in shares:  # in order: SPA's shuffle=False
+    # the run's last optimizer steps let the moments go unwritten when final/ keeps no optimizer state
+    last_update = step == ppo.steps and not ppo.final_state
+    for epoch in range(ppo.ppo_epochs):
+        for mini_index, mini in enumerate(shares):  # in order: SPA's shuffle=False
             parts = [[samples[i] for i in part] for part in mini]
             tokens = sum(s.steps for part in parts for s in part)  # every loss: an aggregate of the WHOLE mini-batch
             normalizer = loss_agg.batch_normalizer(ppo.loss_agg, tokens, sum(len(part) for part in parts),
@@ -381,7 +383,8 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
                                      index == len(micros) - 1, config, step, scoring)
                     for key, value in terms.items():  # micro means, weighted by their tokens
                         totals[key] = totals.get(key, 0.0) + value * weight * sum(s.steps for s in micro)
-                norms[name].append(_step(engine, name, step))
+                last_step = last_update and epoch == ppo.ppo_epochs - 1 and mini_index == len(shares) - 1
+                norms[name].append(_step(engine, name, step, keep_state=not last_step))
                 if dist.device == "cpu" and ppo.gradient_checkpointing:  # the low-memory mode: the pass's
                     rss.return_freed_memory()  # freed activations go, at the cost of faulting them in again
             if old_in_update:  # every rank's, for the logged logp_diff
@@ -442,8 +445,8 @@ def _value_loss(values: torch.Tensor, micro: list[Sample], weights: torch.Tensor
     return loss, {key: value.item() for key, value in stats.items()}
 
 
-def _step(engine: Any, name: str, step: int) -> float:
-    norm = engine.step()  # DeepSpeed's is the norm of the gradient summed over ranks: the same on every rank
+def _step(engine: Any, name: str, step: int, keep_state: bool) -> float:
+    norm = engine.step(keep_state)  # DeepSpeed's is the norm of the gradient summed over ranks: the same on every rank
     if not math.isfinite(norm):
         raise NonFiniteLoss(f"the {name} gradient norm became {norm} at step {step}; training stopped and the "
                             f"last good checkpoint is kept; lower ppo.actor_lr / ppo.critic_lr")

@@ -35,6 +35,11 @@ def train(engine: TorchEngine, steps: range) -> list[float]:
     return norms
 
 
+def file_bytes(engine: TorchEngine) -> bytes:
+    fd = engine.on_disk.file.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0)
+
+
 def moments_in_memory(engine: TorchEngine) -> int:
     return sum(value.numel() for state in engine.optimizer.state.values() for value in state.values()
                if value.dim() > 0)
@@ -71,3 +76,28 @@ def test_a_saved_offloaded_state_resumes_either_way(tmp_path, resumed_offloaded)
     assert train(second, range(3, 5)) == expected[3:]
     for a, b in zip(whole.module.parameters(), second.module.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_a_last_step_without_kept_state_trains_the_same_and_writes_no_moments(tmp_path, offloaded):
+    """`step(keep_state=False)` (PPO's last update when final/ keeps no optimizer state) moves the
+    weights exactly as a kept step does, then holds no moments, writes none to the offload file,
+    and refuses to step again or to save a state it no longer has."""
+    kept = TorchEngine(Net(), SETTINGS, "cpu", offload_dir=tmp_path / "a" if offloaded else None)
+    dropped = TorchEngine(Net(), SETTINGS, "cpu", offload_dir=tmp_path / "b" if offloaded else None)
+    train(kept, range(3))
+    train(dropped, range(2))
+    written = file_bytes(dropped) if offloaded else None  # the moments after the second step
+    generator = torch.Generator().manual_seed(2)
+    for micro in range(2):
+        dropped.backward(dropped(ids=torch.randint(0, 11, (4, 5), generator=generator)), last=micro == 1)
+    dropped.step(keep_state=False)
+    for (name, a), (_, b) in zip(kept.module.named_parameters(), dropped.module.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert moments_in_memory(dropped) == 0 and dropped.optimizer.state == {}
+    if offloaded:  # the third step's moments, which the kept engine wrote, never reached the file
+        assert file_bytes(dropped) == written != file_bytes(kept)
+    with pytest.raises(RuntimeError, match="cannot step again"):
+        dropped.step()
+    with pytest.raises(RuntimeError, match="no state to save"):
+        dropped.save_state(tmp_path / "state", {})

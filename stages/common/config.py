@@ -444,7 +444,9 @@ class PPOConfig(TrainingConfig):
     final_state: bool = setting(True, help=(
         "Keep the actor's and critic's optimizer state with final/, so that `--resume` with more --steps "
         "extends the finished run. false writes final/ and the step reached only: the end of the run "
-        "skips writing about 12 bytes a parameter for each network (weights and AdamW moments in fp32)."))
+        "skips writing about 12 bytes a parameter for each network (weights and AdamW moments in fp32), and "
+        "with plain torch the last update lets the moments go instead of keeping them (or, with ppo.offload, "
+        "writing them to its file)."))
 
 
 @dataclass

@@ -318,6 +318,7 @@ class TorchEngine:
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.on_disk = OptimizerStateOnDisk(self.optimizer, offload_dir) if offload_dir is not None else None
+        self.state_dropped = False
 
     def __call__(self, **inputs):
         from stages.common.cpu_linear import onednn_training
@@ -335,16 +336,26 @@ class TorchEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def step(self) -> float:
-        """Clip, update, advance the schedule; returns the gradient norm before clipping."""
+    def step(self, keep_state: bool = True) -> float:
+        """Clip, update, advance the schedule; returns the gradient norm before clipping.
+
+        ``keep_state=False``: the run's last step, whose optimizer state nothing reads again (a final
+        checkpoint without it): AdamW's moments are let go after the update instead of kept or
+        written to the offload file, and the engine then refuses another step or a state to save."""
         import torch
 
+        if self.state_dropped:
+            raise RuntimeError("this engine let its optimizer state go at its last step; it cannot step again")
         params = [p for p in self.module.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else float("inf"))
         if self.on_disk is not None:
             self.on_disk.restore()
         self.optimizer.step()
-        if self.on_disk is not None:
+        if not keep_state:
+            self.optimizer.state.clear()
+            self.state_dropped = True
+            rss.return_freed_memory()
+        elif self.on_disk is not None:
             self.on_disk.park()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -353,6 +364,8 @@ class TorchEngine:
     def save_state(self, path: Path, client: dict) -> None:
         import torch
 
+        if self.state_dropped:
+            raise RuntimeError("this engine let its optimizer state go at its last step; it has no state to save")
         path.mkdir(parents=True, exist_ok=True)
         in_memory = self.on_disk.read_back() if self.on_disk is not None else contextlib.nullcontext()
         with full_disk_as_oserror(path), in_memory:
@@ -434,7 +447,8 @@ class DeepSpeedEngine:
     def lr(self) -> float:
         return self.engine.get_lr()[0]
 
-    def step(self) -> float:
+    def step(self, keep_state: bool = True) -> float:
+        """DeepSpeed's step; its ZeRO optimizer keeps its state whatever `keep_state` says."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
