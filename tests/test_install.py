@@ -45,9 +45,13 @@ def test_the_torch_range_takes_both_builds_torch():
         assert Version(pinned) in ours("torch").specifier
 
 
-def test_the_gpu_extra_is_cuda_vllm_without_flash_attn():
+def test_the_gpu_extra_is_cuda_vllm_and_deepspeed_without_flash_attn():
     """flash-attn's sdist imports torch when it builds, so it cannot be an extra (docs/gpu.md:
-    installed after, with --no-build-isolation)."""
-    extra = [Requirement(text) for text in PYPROJECT["project"]["optional-dependencies"]["gpu"]]
-    assert [r.name for r in extra] == ["vllm"]
+    installed after, with --no-build-isolation). DeepSpeed is an extra of its own too: the demo
+    trains without it."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    extra = [Requirement(text) for text in extras["gpu"]]
+    assert [r.name for r in extra] == ["vllm", "deepspeed"]
+    assert str(extra[1]) == extras["deepspeed"][0] == "deepspeed>=0.19.8"
+    assert not any(Requirement(text).name == "deepspeed" for text in PYPROJECT["project"]["dependencies"])
     assert Version("0.33.0") in extra[0].specifier and Version("0.32.0") not in extra[0].specifier

