@@ -56,6 +56,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -284,8 +285,6 @@ def _gguf_tensors(path: Path) -> dict[str, tuple[Any, int, tuple[int, ...]]]:
     Only the tensor table is read: the metadata before it (the vocabulary's tens of thousands of
     strings) is stepped over, where gguf's `GGUFReader` makes a numpy view of every value.
     """
-    import struct
-
     import gguf
     import numpy as np
 
@@ -320,16 +319,12 @@ def _gguf_tensors(path: Path) -> dict[str, tuple[Any, int, tuple[int, ...]]]:
 
 
 def _gguf_string(blob, pos: int) -> tuple[str, int]:
-    import struct
-
     (length,) = struct.unpack_from("<Q", blob, pos)
     return bytes(blob[pos + 8:pos + 8 + length]).decode("utf-8"), pos + 8 + length
 
 
 def _skip_gguf_value(blob, pos: int, kind: int) -> int:
     """The offset just past a GGUF metadata value of type `kind` at `pos`."""
-    import struct
-
     if kind in _GGUF_VALUE_BYTES:
         return pos + _GGUF_VALUE_BYTES[kind]
     if kind == 8:
