@@ -8,7 +8,14 @@ runs the linear layers on PyTorch's own kernels instead of oneDNN's (`stages.com
 The profiler's own overhead inflates the many small operators, so the wall times printed beside
 come from the backend's counters in the same run, and the shares are what to read;
 ``operator_seconds`` sums the operators' self times, so the phase's wall time less it is Python
-and the framework between operators (inflated by the profiler too). Prints one JSON object.
+and the framework between operators (inflated by the profiler too).
+
+``kernel_seconds`` sums, per phase, the self times of the products and attention kernels
+(`KERNELS`): what reads the weights and the KV cache and does the arithmetic, at the rate of the
+fastest CPU kernels PyTorch offers for these shapes (oneDNN's on reordered weights, docs/results.md).
+``kernel_bound_tokens_per_s`` is the tokens generated over both phases' kernel seconds: the rate
+of an engine that ran the same kernels with no other operator, no Python and no framework between
+them, the ceiling of any engine built from them. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+#: The operators that do the model's arithmetic: the linear layers (oneDNN's, or PyTorch's BLAS with
+#: --stock), the batched products of the decode steps' own-column attention, and SDPA's kernel.
+KERNELS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm",
+           "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
 def main() -> None:
@@ -83,7 +95,10 @@ def main() -> None:
         total = sum(ops.values())
         top = sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]
         result[phase] = {"seconds": round(stats[f"{phase}_s"], 2), "operator_seconds": round(total / 1e6, 2),
+                         "kernel_seconds": round(sum(ops[name] for name in KERNELS) / 1e6, 2),
                          "op_share": {name: round(us / total, 3) for name, us in top}}
+    kernel_seconds = sum(sum(self_us[phase][name] for name in KERNELS) for phase in self_us) / 1e6
+    result["kernel_bound_tokens_per_s"] = round(result["generated_tokens"] / kernel_seconds, 1)
     print(json.dumps(result))
 
 
