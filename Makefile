@@ -86,7 +86,7 @@ test: install
 
 # The slow tests include `spa view`'s page in headless Chromium: playwright drives the system's
 # browser (apt install chromium; the test is skipped without it, saying so: -rs), never a browser of
-# its own. CI (.ci/run) runs this target after `make test`.
+# its own. CI (.ci/run) installs Chromium where it is missing and runs this target after `make test`.
 test-slow: install
 	@$(BIN)/pip install --quiet -e '.[browser]' || \
 		{ echo "error: could not install playwright (spa's 'browser' extra); check the network"; exit 2; }
