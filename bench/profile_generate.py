@@ -11,8 +11,8 @@ come from the backend's counters in the same run, and the shares are what to rea
 and the framework between operators (inflated by the profiler too).
 
 ``kernel_seconds`` sums, per phase, the self times of the products and attention kernels
-(`KERNELS`): what reads the weights and the KV cache and does the arithmetic, at the rate of the
-fastest CPU kernels PyTorch offers for these shapes (oneDNN's on reordered weights, docs/results.md).
+(`KERNELS`): the operators that read the weights and the KV cache and do the arithmetic (the
+linear layers on oneDNN's products, the fastest PyTorch has for these shapes here: docs/results.md).
 ``kernel_bound_tokens_per_s`` is the tokens generated over both phases' kernel seconds: the rate
 of an engine that ran the same kernels with no other operator, no Python and no framework between
 them, the ceiling of any engine built from them. Prints one JSON object.
@@ -91,14 +91,14 @@ def main() -> None:
     result = {"batch": args.batch, "linear_kernels": "pytorch" if args.stock else "onednn",
               "generated_tokens": sum(sum(e.response_mask) for e in played), "seconds_profiled": round(seconds, 2),
               "prefilled_tokens": stats["prefilled_tokens"], "decode_steps": stats["decode_steps"]}
+    kernel_us = {phase: sum(ops.get(name, 0.0) for name in KERNELS) for phase, ops in self_us.items()}
     for phase, ops in self_us.items():
         total = sum(ops.values())
         top = sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]
         result[phase] = {"seconds": round(stats[f"{phase}_s"], 2), "operator_seconds": round(total / 1e6, 2),
-                         "kernel_seconds": round(sum(ops[name] for name in KERNELS) / 1e6, 2),
+                         "kernel_seconds": round(kernel_us[phase] / 1e6, 2),
                          "op_share": {name: round(us / total, 3) for name, us in top}}
-    kernel_seconds = sum(sum(self_us[phase][name] for name in KERNELS) for phase in self_us) / 1e6
-    result["kernel_bound_tokens_per_s"] = round(result["generated_tokens"] / kernel_seconds, 1)
+    result["kernel_bound_tokens_per_s"] = round(result["generated_tokens"] / (sum(kernel_us.values()) / 1e6), 1)
     print(json.dumps(result))
 
 
