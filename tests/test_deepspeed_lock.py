@@ -7,10 +7,12 @@ live process builds under, and otherwise waits with a message and a timeout that
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,14 +101,17 @@ def test_deepspeed_starts_despite_a_planted_stale_lock(tmp_path):
     assert f"removed {root / eng.SHM_OP / 'lock'}" in result.stdout and "Dist(rank=0, world=1" in result.stdout
 
 
-
-def test_zero_without_deepspeed_installed_stops_with_one_line_and_plain_torch_needs_none(monkeypatch):
-    """DeepSpeed is an optional extra: ZeRO without it is refused before anything starts, with how
-    to install it or train without it; plain torch in one process never asks for it."""
-    import importlib.util
-
+@pytest.fixture
+def deepspeed_missing(monkeypatch):
+    """DeepSpeed looks uninstalled, as after the demo's install."""
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+
+
+def test_zero_without_deepspeed_installed_stops_with_one_line_and_plain_torch_needs_none(monkeypatch,
+                                                                                        deepspeed_missing):
+    """DeepSpeed is an optional extra: ZeRO without it is refused before anything starts, with how
+    to install it or train without it; plain torch in one process never asks for it."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(UserError, match=r"trains with DeepSpeed, which is not installed; install it with pip install "
                                         r"-e '\.\[deepspeed\]' .*sft\.zero_stage=0 / ppo\.zero_stage=0"):
@@ -114,15 +119,10 @@ def test_zero_without_deepspeed_installed_stops_with_one_line_and_plain_torch_ne
     assert eng.setup_distributed("cpu", use_deepspeed=False).world == 1
 
 
-def test_a_pipeline_with_a_zero_stage_needs_deepspeed_before_its_first_stage(monkeypatch, tmp_path):
-    import importlib.util
-    from pathlib import Path
-
+def test_a_pipeline_with_a_zero_stage_needs_deepspeed_before_its_first_stage(tmp_path, deepspeed_missing):
     from stages import pipeline
     from stages.common.config import load_config
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     config = load_config(demo, [f"pipeline.dir={tmp_path / 'run'}", "sft.zero_stage=2"])
     with pytest.raises(UserError, match="trains with DeepSpeed, which is not installed"):
