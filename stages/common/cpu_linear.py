@@ -108,6 +108,11 @@ def mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 def _trainable_forward(module: nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
+        # Decided at each call, not at the with-block's entry: a checkpointed forward recomputes
+        # inside the backward's with-block under the autocast its first run had, and must take the
+        # path it took then (autocast's bf16 product), or its saved tensors differ in dtype.
+        if torch.is_autocast_enabled("cpu"):
+            return nn.functional.linear(x, module.weight, module.bias)
         return _OneDNNLinear.apply(x, module.weight, module.bias)
 
     return forward
