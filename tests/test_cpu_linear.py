@@ -7,8 +7,10 @@ import contextlib
 
 import pytest
 import torch
+from helpers import lively_model
 from torch import nn
 
+from stages.common import cpu_linear
 from stages.common.cpu_linear import PackedLinears, onednn_training
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -73,7 +75,7 @@ def test_the_layers_get_their_forward_back_when_the_block_raises():
     assert all("forward" not in vars(m) for m in net)
 
 
-def test_nothing_is_packed_under_autocast_or_for_other_devices_and_dtypes():
+def test_nothing_is_packed_under_autocast_or_for_other_devices_and_dtypes(monkeypatch):
     net = small_net()
     packed = PackedLinears(net)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), packed.active():
@@ -81,7 +83,44 @@ def test_nothing_is_packed_under_autocast_or_for_other_devices_and_dtypes():
         assert not packed._packed
     assert not PackedLinears.supported(small_net().double())
     assert not PackedLinears.supported(small_net().to("meta"))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert PackedLinears.supported(small_net().bfloat16())
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not PackedLinears.supported(small_net().bfloat16()) and PackedLinears.supported(small_net())
+
+
+def test_a_bfloat16_model_generates_on_a_cpu_whose_onednn_has_no_bfloat16(tokenizer, monkeypatch):
+    """On such a CPU (AVX2-only x86, many aarch64) torch's oneDNN ops refuse bf16 tensors: the hf
+    backend's generation keeps PyTorch's own linear layers and gives their tokens and log-probs."""
+    from stages.agent.backends import GenerationRequest, SamplingParams
+    from stages.agent.backends.hf import HFBackend
+
+    model = lively_model(tokenizer).to(torch.bfloat16)
+    requests = [GenerationRequest(f"e{i}", list(range(500 + i, 530 + 2 * i))) for i in range(3)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop=())
+
+    def generate():
+        return [(out.token_ids, out.logprobs) for out in HFBackend(model, tokenizer).generate(requests, params)]
+
+    with monkeypatch.context() as stock:
+        stock.setattr(cpu_linear, "enabled", False)
+        expected = generate()
+    for name in ("_reorder_linear_weight", "_linear_pointwise"):
+        real = getattr(torch.ops.mkldnn, name)
+        monkeypatch.setattr(torch.ops.mkldnn, name, refusing_bf16(real))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert generate() == expected
+
+
+def refusing_bf16(op):
+    """`op` as torch has it on a CPU whose oneDNN lacks bf16 (`mkldnn_bf16_device_check`)."""
+    def call(*args):
+        if any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+            raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx_ne_convert or avx512bw, "
+                               "avx512vl and avx512dq")
+        return op(*args)
+
+    return call
 
 
 def test_only_plain_unwrapped_linear_layers_are_routed():

@@ -18,9 +18,9 @@ in:
 
 Both apply only where they help and cannot change what is computed: a CPU, PyTorch built with
 oneDNN, no autocast (it would have changed the products' dtype), weights in float32 (and, for
-generation, bfloat16), no DeepSpeed ZeRO-3 partitioning, and plain ``nn.Linear`` modules
-(subclasses, e.g. quantized layers, keep their own forward, and so does a layer whose forward a
-hook library already wrapped; a LoRA wrapper's base layer is a plain one).
+generation, bfloat16 where this CPU's oneDNN runs it), no DeepSpeed ZeRO-3 partitioning, and plain
+``nn.Linear`` modules (subclasses, e.g. quantized layers, keep their own forward, and so does a
+layer whose forward a hook library already wrapped; a LoRA wrapper's base layer is a plain one).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class PackedLinears:
     @staticmethod
     def supported(model: nn.Module) -> bool:
         """True where packing applies to this model (see the module docstring)."""
-        return _applies(model, (torch.float32, torch.bfloat16))
+        return _applies(model, (torch.float32, torch.bfloat16) if _onednn_runs_bf16() else (torch.float32,))
 
     def drop(self) -> None:
         """Forget the copies (the weights changed, or memory is wanted back)."""
@@ -139,6 +139,13 @@ def _routed(forwards: dict[nn.Linear, object]):
 
 def _plain_linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)]  # not hook-wrapped
+
+
+def _onednn_runs_bf16() -> bool:
+    """Whether oneDNN computes bfloat16 products on this CPU: it needs AVX512 (BW, VL, DQ) or
+    AVX-NE-CONVERT on x86, BF16 on Arm; elsewhere torch refuses its bf16 ops (AVX2-only x86, many
+    aarch64 CPUs), and a bf16 model keeps PyTorch's own linear layers."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _applies(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
