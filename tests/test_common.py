@@ -402,6 +402,34 @@ def test_onednn_masked_attention_equals_transformers_sdpa(kv_heads, mask_kind):
     torch.testing.assert_close(ours[real], stock[real], rtol=0, atol=5e-6)
 
 
+def test_a_prefill_over_cached_keys_without_onednn_is_sdpas(monkeypatch):
+    """Under a PyTorch built without oneDNN (its ops missing), spa's SDPA computes a float32 prefill
+    over cached keys as SDPA does, not with oneDNN's products: transformers' result."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from stages.common.models import spa_sdpa
+
+    def missing(*args):
+        raise RuntimeError("No such operator mkldnn::_linear_pointwise")
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", missing)
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    key, value = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    keep = torch.ones(2, 1, 4, 9, dtype=torch.bool).tril(diagonal=5)  # 5 cached columns, 4 new ones
+    keep[1, ..., :2] = False  # the second row is left-padded
+    query = torch.randn(2, 6, 4, 8)
+    with torch.no_grad():
+        ours, _ = spa_sdpa(module, query, key, value, keep, scaling=0.3)
+    stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
+    assert ours.shape == stock.shape == (2, 4, 6, 8)
+    # Averages of values of magnitude < 5 over 9 columns, in float32 (grouped heads or repeated).
+    torch.testing.assert_close(ours, stock, rtol=0, atol=5e-6)
+
+
 def test_grouped_heads_decode_as_with_eager_attention():
     """Greedy decoding of a grouped-query model with "sdpa" as `load_model` sets it up (so through
     `grouped_query_sdpa` where transformers lacks its own fix) produces the tokens and scores of the

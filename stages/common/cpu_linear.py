@@ -148,9 +148,15 @@ def _onednn_runs_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def onednn_enabled() -> bool:
+    """Whether spa's CPU kernels may multiply with oneDNN: PyTorch was built with it (its ops exist)
+    and `enabled` is on."""
+    return enabled and torch.backends.mkldnn.is_available()
+
+
 def _applies(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
     params = list(model.parameters())
-    if not params or not enabled or not torch.backends.mkldnn.is_available():
+    if not params or not onednn_enabled():
         return False
     partitioned = any(hasattr(p, "ds_id") for p in params)  # DeepSpeed ZeRO-3 holds shards only
     return params[0].device.type == "cpu" and params[0].dtype in dtypes and not partitioned

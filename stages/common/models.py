@@ -48,7 +48,8 @@ In float32 the rows' own columns are two batched products and a softmax (`own_co
 which at a decode step's shape (a few queries a key/value head) beat SDPA's CPU kernel.
 A masked prefill over cached keys on a CPU in float32 (outside autograd) multiplies its scores and
 values with oneDNN (`onednn_masked_attention`), as `stages.common.cpu_linear` does the linear
-layers', instead of SDPA's CPU kernel, whose blocks go through the BLAS.
+layers', instead of SDPA's CPU kernel, whose blocks go through the BLAS; a PyTorch built without
+oneDNN keeps SDPA's.
 """
 
 from __future__ import annotations
@@ -576,7 +577,7 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         if shared_columns and query.shape[2] == 1:
             return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
         # A prefill over cached keys (the hf backend's); a whole sequence at once stays SDPA's.
-        if 1 < query.shape[2] < key.shape[2] and query.dtype == torch.float32 and cpu_linear.enabled:
+        if 1 < query.shape[2] < key.shape[2] and query.dtype == torch.float32 and cpu_linear.onednn_enabled():
             return onednn_masked_attention(query, key, value, attention_mask, scaling), None
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
         return grouped_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
