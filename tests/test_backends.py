@@ -347,6 +347,27 @@ def test_rows_finishing_at_different_steps(model, tokenizer):
         requests = [GenerationRequest(r.key, r.prompt_ids + o.token_ids + [77, 78]) for r, o in zip(requests, outputs)]
 
 
+def test_rows_left_in_the_batch_hold_no_storage_of_the_rows_that_left(model, tokenizer):
+    """Once finished rows leave the batch, the survivors decode on in slabs of their own rows: the
+    block stored from them at the call's end (views of those slabs) holds storage for its rows only,
+    not for every row the chunk started with; the outputs are those of one prompt at a time."""
+    rng = random.Random(10)
+    requests = [GenerationRequest(f"s{i}", random_ids(rng, 10 + 3 * i)) for i in range(6)]
+    free = [fresh(model, tokenizer, r, GREEDY).token_ids for r in requests]
+    eos = frozenset(ids[2 + i] for i, ids in enumerate(free[:4]))  # rows end at various steps
+    backend = HFBackend(model, tokenizer, drop_fraction=0.1)
+    backend.eos_ids = eos
+    outputs = backend.generate(requests, GREEDY)
+    ref = HFBackend(model, tokenizer, batch_size=1)
+    ref.eos_ids = eos
+    assert [o.token_ids for o in outputs] == [ref.generate([r], GREEDY)[0].token_ids for r in requests]
+    blocks = list({id(c.block): c.block for c in backend._episodes.values()}.values())
+    rows = sorted(block.keys[0].shape[0] for block in blocks)
+    assert sum(rows) == 6 and rows[-1] < 6  # rows left, and some decoded on after them
+    for tensor in (t for block in blocks for t in (*block.keys, *block.values)):
+        assert tensor.untyped_storage().nbytes() == tensor.shape[0] * tensor.stride(0) * tensor.element_size()
+
+
 def test_a_last_turn_keeps_no_kv_and_the_others_still_match_on_their_next_turn(model, tokenizer):
     """Rows finishing at various steps leave the batch; those on their episode's last turn keep no
     KV, the others keep it and their next turn matches a fresh prefill."""

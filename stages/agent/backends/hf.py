@@ -25,8 +25,8 @@ right-aligned, left-padded; ``suffix`` is prefilled (right-aligned, so the last 
 row's last prompt token), then decoding appends one column per step. Padding *in the middle* of a
 row is harmless: pads are masked out and skipped by the position ids, so each real token sees
 exactly the tokens and positions it would see in a from-scratch prefill. Rows that finish early
-leave the batch once enough of them have (their KV copied out first, then the rest moved down in
-place, `batch_select_indices`), so late steps run narrower.
+leave the batch once enough of them have (their KV copied out first, then the rest into slabs of
+their own, `batch_select_indices`), so late steps run narrower.
 
 After a call, each request's key maps to a ``_Cached`` (unless the request was its episode's last
 turn, `GenerationRequest.last_turn`, whose KV nothing will read): the tokens whose KV is stored
@@ -109,13 +109,17 @@ class _SlabLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows `indices` (ascending), moved down in place to the slab's first rows: the
-        finished rows' memory takes the survivors, where a gathered copy would hold both at once."""
+        """Keep rows `indices`: their filled columns copied into slabs of their own, so the old
+        slabs, the finished rows' included (their KV already copied out), are freed at once. Rows
+        moved down in place would still be views of the old slabs, keeping every row of them until
+        the block stored from them is freed, on the next turn. The cache selects layer by layer, so
+        one layer's survivors at a time exist twice."""
+        shape = (len(indices), *self.k_slab.shape[1:])
+        k_slab, v_slab = self.k_slab.new_empty(shape), self.v_slab.new_empty(shape)
         for row, source in enumerate(indices.tolist()):
-            if row != source:  # row < source: a row is moved before its own slot is written
-                self.k_slab[row, :, :self.length].copy_(self.k_slab[source, :, :self.length])
-                self.v_slab[row, :, :self.length].copy_(self.v_slab[source, :, :self.length])
-        self.k_slab, self.v_slab = self.k_slab[:len(indices)], self.v_slab[:len(indices)]
+            k_slab[row, :, :self.length].copy_(self.k_slab[source, :, :self.length])
+            v_slab[row, :, :self.length].copy_(self.v_slab[source, :, :self.length])
+        self.k_slab, self.v_slab = k_slab, v_slab
         self._set_length(self.length)
 
     def crop(self, tokens_to_remove: int) -> None:
