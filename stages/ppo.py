@@ -126,6 +126,7 @@ from stages.common.distributed import Dist
 from stages.common.errors import UserError
 from stages.common.seeds import stable_seed
 from stages.evaluation.collapse import collapse_diagnostics
+from stages.evaluation.metrics import world_model_metrics
 from stages.training import engine as eng
 from stages.training import loss_agg, memory, trainable
 from stages.training import ppo_algos as algos
@@ -155,6 +156,11 @@ CONSTANT_LR_STEPS = 2**62
 ADAM_BETAS = (0.9, 0.999)
 #: The metrics of the state reward an episode was paid (a sum over its turns): all, then its two parts.
 STATE_REWARD_METRICS = ("state_reward", "state_reward_observation", "state_reward_prediction")
+#: The world-model accuracies a step logs, ``wm_<kind>_exact`` and ``wm_<kind>_turns``, one per kind of
+#: `metrics.world_model_metrics`: observations, predictions, and predictions of turns that changed the state.
+WORLD_MODEL_KINDS = ("observation", "prediction", "prediction_of_change")
+#: What `metrics.world_model_metrics` reads of a turn.
+WORLD_MODEL_TURN_KEYS = ("state", "next_state", "observation", "prediction")
 #: Settings that may differ between a run and its --resume without changing what is computed.
 RESUME_FREE = {"out", "resume", "steps", "val_every", "val_before_train", "save_every", "final_state",
                "micro_batch_tokens", "gradient_checkpointing", "share_prefix", "score_in_update", "deepspeed_config"}
@@ -501,6 +507,8 @@ def episode_figures(episode: Any) -> dict[str, Any]:
             "format_penalty": episode.format_penalty, "turns": len(episode.turns),
             "response_length": sum(episode.response_mask), "sequence_length": len(episode.token_ids),
             "response_tokens": [t for t, sampled in zip(episode.token_ids, episode.response_mask) if sampled],
+            "world_model_turns": [{key: getattr(turn, key) for key in WORLD_MODEL_TURN_KEYS}
+                                  for turn in episode.turns],
             **{key: sum(getattr(turn, key) for turn in episode.turns) for key in STATE_REWARD_METRICS}}
 
 
@@ -615,7 +623,8 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
                   state_reward: bool = False) -> dict[str, float]:
     """What the rollouts did (`figures` of every episode; with `state_reward`, the state reward an
     episode was paid, on average, and its two parts), whether they are collapsing
-    (`stages.evaluation.collapse`), and how far the trainer's log-probs are from the sampler's."""
+    (`stages.evaluation.collapse`), how well they describe the game (`world_model_stats`), and how far
+    the trainer's log-probs are from the sampler's."""
     n = len(figures)
     stats = {
         "reward": sum(f["score"] for f in figures) / n,
@@ -629,6 +638,7 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
         "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
     stats |= collapse_diagnostics([f["response_tokens"] for f in figures], [f["group"] for f in figures])
+    stats |= world_model_stats(figures)
     if state_reward:
         stats |= {key: sum(f[key] for f in figures) / n for key in STATE_REWARD_METRICS}
     diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples
@@ -640,6 +650,16 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
         stats["explained_variance"] = algos.explained_variance(values, returns, mask)
         stats["value_mean"] = float(algos.masked_mean(values, mask))
     return stats
+
+
+def world_model_stats(figures: list[dict]) -> dict[str, float | int | None]:
+    """The world-model accuracy of the step's rollouts, as `spa eval` measures it
+    (`metrics.world_model_metrics`, over every episode's turns): for each of `WORLD_MODEL_KINDS`,
+    ``wm_<kind>_exact``, the share of the turns that wrote the tag where it equals the true state, and
+    ``wm_<kind>_turns``, those turns; the share is None when no turn wrote the tag."""
+    found = world_model_metrics([{"turns": f["world_model_turns"]} for f in figures])
+    return {f"wm_{kind}_{figure}": found[kind][key] for kind in WORLD_MODEL_KINDS
+            for figure, key in (("exact", "exact_match"), ("turns", "turns"))}
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------

@@ -77,6 +77,25 @@ def test_pipeline_directory_gives_one_line_per_run_in_each_panel(pipeline_dir):
     assert [t.get_text() for t in figure.legends[0].get_texts()] == ["ppo", "ppo_vanilla", "sft"]
 
 
+def test_the_rollouts_world_model_accuracy_is_drawn_in_percent_where_a_step_defines_it(tmp_path):
+    """The exact shares of observations, predictions and predictions of moves, one panel each; a step
+    where no rollout turn wrote a prediction (null) is no point of those curves."""
+    rows = ppo_rows(3)
+    shares = {1: (0.5, 0.25, 0.125), 2: (0.75, None, None), 3: (1.0, 0.5, 0.0)}
+    for row in rows[1:]:
+        observation, prediction, of_change = shares[row["step"]]
+        row |= {"wm_observation_exact": observation, "wm_prediction_exact": prediction,
+                "wm_prediction_of_change_exact": of_change}
+    figure = plots.curves_figure([plots.read_run(write_rows(tmp_path / "metrics.jsonl", rows))])
+    axes = visible_axes(figure)
+    drawn = {title: (list(line.get_xdata()), list(line.get_ydata()))
+             for title in ("exact observations (%)", "exact predictions (%)", "exact predictions, state changed (%)")
+             for line in axes[title].get_lines()}
+    assert drawn == {"exact observations (%)": ([1, 2, 3], [50.0, 75.0, 100.0]),
+                     "exact predictions (%)": ([1, 3], [25.0, 50.0]),
+                     "exact predictions, state changed (%)": ([1, 3], [12.5, 0.0])}
+
+
 def test_the_png_has_the_size_of_its_panel_grid(pipeline_dir, tmp_path):
     out = plots.plot_curves(plots.runs_in(pipeline_dir), tmp_path / "curves.png")
     columns, rows = plots.COLUMNS, 4  # 11 panels in rows of 3

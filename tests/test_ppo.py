@@ -149,6 +149,44 @@ def test_a_step_logs_the_state_reward_it_paid():
     assert "state_reward" not in ppo.rollout_stats(figures, episodes, samples)
 
 
+#: Three Sokoban boards, one move apart: the player steps right, then pushes the box right.
+BOARDS = ("#######\n#P_X_O#\n#######", "#######\n#_PX_O#\n#######", "#######\n#__PXO#\n#######")
+
+
+def test_a_step_logs_how_often_its_rollouts_observed_and_predicted_the_game_exactly():
+    """World-model accuracy during RL, on turns whose states are known: an observation or prediction
+    counts where it equals the truth after `normalize_state` (trailing spaces aside); a prediction that
+    copies the observation is exact on a move into a wall and wrong on a move that changed the board,
+    which only the turns that changed the state tell apart."""
+    one, two, three = BOARDS
+    episodes = [three_turn_episode(), three_turn_episode()]
+    written = [  # (state, next_state, observation, prediction) of each turn
+        [(one, two, one.replace("\n", "  \n"), two),  # both exact, the board changed
+         (two, two, one, two),  # a wrong observation; a move into a wall, predicted (a copy)
+         (two, three, None, None)],  # no tags
+        [(one, two, one, one),  # the board changed; a copy of the observation predicted
+         (two, three, two, three),  # both exact, the board changed
+         (three, three, None, two)],  # a wrong prediction, the board unchanged
+    ]
+    for episode, turns in zip(episodes, written):
+        for turn, (state, next_state, observation, prediction) in zip(episode.turns, turns):
+            turn.state, turn.next_state, turn.observation, turn.prediction = state, next_state, observation, prediction
+    figures = [ppo.episode_figures(e) for e in episodes]
+    samples = [ppo_samples.to_sample(e, "assistant", system_length=2) for e in episodes]
+    stats = ppo.rollout_stats(figures, episodes, samples)
+    assert {key: stats[key] for key in stats if key.startswith("wm_")} == {
+        "wm_observation_exact": 3 / 4, "wm_observation_turns": 4,  # all but the first episode's second
+        "wm_prediction_exact": 3 / 5, "wm_prediction_turns": 5,  # all but the second episode's first and last
+        "wm_prediction_of_change_exact": 2 / 3, "wm_prediction_of_change_turns": 3,  # the copy is wrong here
+    }
+    for turn in [turn for episode in episodes for turn in episode.turns]:  # the base prompt's turns: no tags
+        turn.observation = turn.prediction = None
+    stats = ppo.rollout_stats([ppo.episode_figures(e) for e in episodes], episodes, samples)
+    assert {key: stats[key] for key in stats if key.startswith("wm_")} == {
+        "wm_observation_exact": None, "wm_observation_turns": 0, "wm_prediction_exact": None,
+        "wm_prediction_turns": 0, "wm_prediction_of_change_exact": None, "wm_prediction_of_change_turns": 0}
+
+
 def test_sample_with_the_all_mask_covers_everything_after_the_system_prompt():
     sample = ppo_samples.to_sample(two_turn_episode(), "all", system_length=3)
     assert sample.positions.tolist() == list(range(3, 12))
@@ -198,6 +236,9 @@ def test_tiny_run_writes_metrics_checkpoints_and_validation(two_steps, tokenizer
         assert row["seed_counter"] == 2 * row["step"]  # 2 fresh train seeds per step
         assert row["logp_diff"] < 1e-3  # the trainer recomputes the sampler's log-probs
         assert 0 <= row["clip_frac"] <= 1
+        for kind in ppo.WORLD_MODEL_KINDS:  # a share where some turn wrote the tag, null where none did
+            turns, exact = row[f"wm_{kind}_turns"], row[f"wm_{kind}_exact"]
+            assert (exact is None) if turns == 0 else (0 <= exact <= 1), (kind, turns, exact)
     # the process's peak so far, at each step and at the end: it never goes down
     assert 0 < rows[1]["peak_rss_gb"] <= rows[2]["peak_rss_gb"] <= summary["peak_rss_gb"]
     assert rows[1]["value_loss"] > 0

@@ -137,6 +137,11 @@ def test_ppo_reports_its_steps_and_validations_to_tensorboard(tiny_model_dir, tm
         for key, value in figures.items():
             assert scalars[key][step] == pytest.approx(value, rel=1e-6, abs=1e-12), (key, step)
     assert set(scalars["val_pass@2"]) == {0, 2} and set(scalars["reward"]) == {1, 2}
+    for kind in ppo.WORLD_MODEL_KINDS:  # the rollouts' world-model accuracy, step by step
+        assert set(scalars[f"wm_{kind}_turns"]) == {1, 2}
+    for row in rows:  # a figure undefined at a step (null) is no point of its curve, not a 0
+        for key in (key for key, value in row.items() if value is None):
+            assert row["step"] not in scalars.get(key, {}), (key, row["step"])
 
 
 def test_a_resumed_run_replaces_the_steps_it_logs_again(tmp_path):

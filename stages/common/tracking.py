@@ -10,7 +10,9 @@
 
 Each tracker gets the same figures as the `metrics.jsonl` row of every step (the numbers of the
 row under the row's own names, at the row's ``step``) and the resolved run config (a YAML text in
-TensorBoard, the run's config in wandb). The packages are optional extras imported only when
+TensorBoard, the run's config in wandb). A figure the step could not define (null in the row, such as
+the exact share of predictions when no rollout turn wrote one) is left out of that step: its curve
+has no point there rather than a 0. The packages are optional extras imported only when
 named; `check` refuses a tracker that is not installed before any work starts. Only the process
 that writes `metrics.jsonl` (rank 0) opens the trackers.
 

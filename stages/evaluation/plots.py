@@ -8,8 +8,11 @@ in every panel where the run has that figure, in the same colour everywhere, wit
 * sft: training loss, validation loss (at the end of each epoch), learning rate;
 * ppo: reward, success, validation Pass@1 and Pass@k (step 0 is the model before training), KL
   between the updated and the rollout policy (``ppo_kl``) and to the reference (``kl_ref``, when
-  ``ppo.kl_coef > 0``), entropy, clip fraction, response length, and the collapse diagnostics
-  (`stages.evaluation.collapse`): distinct responses in a group, repeated 4-grams, input dependence.
+  ``ppo.kl_coef > 0``), entropy, clip fraction, response length, the collapse diagnostics
+  (`stages.evaluation.collapse`): distinct responses in a group, repeated 4-grams, input dependence,
+  and the rollouts' world-model accuracy: the share of exact observations, of exact predictions, and
+  of exact predictions on the turns that changed the state (a step where no turn wrote the tag has
+  no point).
 
 `validation_figure` draws the validation Pass@1 of PPO runs against their step, each point with its
 95% bootstrap band over the eval puzzles (the pipeline's ``validation.png``).
@@ -132,6 +135,9 @@ PANELS = (
     Panel("distinct responses in a group (%)", "ppo", _key("distinct_in_group"), percent=True),
     Panel("repeated 4-grams (%)", "ppo", _key("repeated_ngrams"), percent=True),
     Panel("input dependence", "ppo", _key("input_dependence")),
+    Panel("exact observations (%)", "ppo", _key("wm_observation_exact"), percent=True),
+    Panel("exact predictions (%)", "ppo", _key("wm_prediction_exact"), percent=True),
+    Panel("exact predictions, state changed (%)", "ppo", _key("wm_prediction_of_change_exact"), percent=True),
 )
 
 
