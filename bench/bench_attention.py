@@ -8,12 +8,12 @@ as a forward reads them), as a decode step or a prefill forward makes them:
   instruction) are the same in every row and the next ``--own`` are each row's own. ``sdpa`` is
   SDPA's CPU kernel on the query heads regrouped per key/value head (`grouped_query_sdpa`'s decode
   path), reading every row's copy of the shared columns; ``shared_prefix`` is
-  `stages.common.models.shared_prefix_attention`, which reads them once for all rows and each
+  `stages.common.kernels.attention.shared_prefix_attention`, which reads them once for all rows and each
   row's own columns with `own_columns_attention`.
 * ``prefill``: ``--new`` new tokens a row, causal among themselves, over ``--cached`` columns, a
   padded row mask (the second turn's prefill of a 16-episode run). ``sdpa`` is SDPA's CPU kernel
   with grouped heads (`grouped_query_sdpa`'s masked path); ``onednn`` is
-  `stages.common.models.onednn_masked_attention`.
+  `stages.common.kernels.attention.onednn_masked_attention`.
 
 Each figure is the median of ``--reps`` measurements, milliseconds for the 30 calls; ``max_abs_diff``
 is the largest difference between a variant's output and SDPA's (float32 rounding). Prints one JSON
@@ -52,7 +52,7 @@ def decode(rows: int, shared: int, own: int, reps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from stages.common.models import shared_prefix_attention
+    from stages.common.kernels.attention import shared_prefix_attention
 
     columns = shared + own
     keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
@@ -80,7 +80,7 @@ def prefill(rows: int, new: int, cached: int, reps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from stages.common.models import onednn_masked_attention
+    from stages.common.kernels.attention import onednn_masked_attention
 
     columns = cached + new
     keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)

@@ -13,10 +13,10 @@ generation backend differs:
   the machine); its start-up (``startup_s``) is not in its rate, as model loading is not in the
   engine's;
 * ``engine_stock``: the engine with PyTorch's own kernels for its linear layers instead of
-  oneDNN's on reordered weights (`stages.common.cpu_linear`; the two are the same on a GPU);
+  oneDNN's on reordered weights (`stages.common.kernels.linear`; the two are the same on a GPU);
 * ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
   rows share (the instruction) in each attention, instead of reading them once for all rows
-  (`stages.common.models.shared_prefix_attention`);
+  (`stages.common.kernels.attention.shared_prefix_attention`);
 * ``naive``: one request at a time through plain `model.generate` (sampling, the same stop string
   and end-of-turn tokens), re-reading the whole conversation every turn, which is what a
   straightforward script does. Being sequential, it runs at the smallest batch only.
@@ -90,12 +90,12 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.agent.backends import make_backend
     from stages.agent.backends.hf import HFBackend
     from stages.agent.proxy import play
-    from stages.common import cpu_linear
     from stages.common.config import load_config
+    from stages.common.kernels import linear
     from stages.common.models import load_model
     from stages.training.engine import autocast
 
-    cpu_linear.enabled = variant != "engine_stock"
+    linear.enabled = variant != "engine_stock"
     if variant == "engine_copied_prefix":
         HFBackend._shared_columns = lambda self, rows: 0  # no columns declared shared: each row reads its own
     episodes = args.batch

@@ -26,7 +26,7 @@ medians over the rest. Variants (`ppo.*` settings):
   forward and backward for both losses, no second network;
 * ``cheapest``: packed, sampler log-probs, LoRA and the shared critic together (fp32 only);
 * ``packed_stock_linears``: packed, with PyTorch's own kernels for the linear layers in the
-  rollouts and the update instead of oneDNN's (`stages.common.cpu_linear`; CPU only): what those
+  rollouts and the update instead of oneDNN's (`stages.common.kernels.linear`; CPU only): what those
   save in each phase;
 * ``packed_vllm``: packed, with vLLM's rollouts (``rollout.backend=vllm``, where vLLM is
   installed; fp32): the engine starts with the run and its start-up is in no phase; the update
@@ -149,9 +149,9 @@ def main() -> None:
     parser.add_argument("--child-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        from stages.common import cpu_linear
+        from stages.common.kernels import linear
 
-        cpu_linear.enabled = args.child not in STOCK_LINEARS
+        linear.enabled = args.child not in STOCK_LINEARS
         figures, first_row = measure(args, args.child_dtype, VARIANTS[args.child])
         print(json.dumps({"figures": figures, "first_row": first_row}))
         return

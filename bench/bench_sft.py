@@ -17,7 +17,7 @@ timed. Prints one JSON object:
   autocast), which is much faster on CPUs with native bf16 matmul (measured when `model.dtype:
   auto` picks bf16 on this CPU, or with --bf16);
 * spa with PyTorch's own kernels for the linear layers instead of oneDNN's (`spa_stock_linears`,
-  `stages.common.cpu_linear`; the same on a GPU), in fp32;
+  `stages.common.kernels.linear`; the same on a GPU), in fp32;
 * spa with its rows' common prefixes computed once (`sft.share_prefix`, the default) and without
   (`spa_unshared`), and the same on SPA's one-row-per-turn data (`spa_turns`, `spa_turns_unshared`,
   `trl_tuned_turns`), with tokens counted as the rows' tokens for every trainer (spa with sharing
@@ -138,10 +138,10 @@ def matmul_peak(dtype: str = "float32", size: int = 2048, reps: int = 6) -> floa
 def child_spa(data: str, work: str, rows_per_step: int, steps: int, stage: int | str, checkpointing: bool,
               max_length: int, bf16: bool = False, share: bool = True, stock_linears: bool = False) -> dict:
     from stages import sft
-    from stages.common import cpu_linear
     from stages.common.config import load_config
+    from stages.common.kernels import linear
 
-    cpu_linear.enabled = not stock_linears
+    linear.enabled = not stock_linears
 
     out = Path(work) / f"spa-{Path(data).stem}-z{stage}-gc{int(checkpointing)}-{max_length}-bf16{int(bf16)}-s{int(share)}"
     config = load_config(None, [], {

@@ -4,7 +4,7 @@ Plays `bench/bench_generate.py`'s episodes (Sokoban, world-model prompt, 2 turns
 tokens, the bundled SmolLM2-135M in float32) once under `torch.profiler`, with every prefill
 (`HFBackend._prefill`) marked; each operator's self time counts for the prefill when it starts
 inside one, else for decoding (the decode steps' forwards, sampling, bookkeeping). ``--stock``
-runs the linear layers on PyTorch's own kernels instead of oneDNN's (`stages.common.cpu_linear`).
+runs the linear layers on PyTorch's own kernels instead of oneDNN's (`stages.common.kernels.linear`).
 The profiler's own overhead inflates the many small operators, so the wall times printed beside
 come from the backend's counters in the same run, and the shares are what to read;
 ``operator_seconds`` sums the operators' self times, so the phase's wall time less it is Python
@@ -49,10 +49,10 @@ def main() -> None:
     from stages.agent.backends import make_backend
     from stages.agent.backends.hf import HFBackend
     from stages.agent.proxy import play
-    from stages.common import cpu_linear
     from stages.common.config import load_config
+    from stages.common.kernels import linear
 
-    cpu_linear.enabled = not args.stock
+    linear.enabled = not args.stock
     config = load_config(None, [
         "env.name=sokoban", "rollout.max_turns=2", "rollout.backend=hf", "rollout.max_new_tokens=96",
         f"rollout.batch_size={args.batch}", "model.name=smollm2-135m", "model.dtype=float32", "quiet=true"])

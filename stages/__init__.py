@@ -31,7 +31,7 @@ Below them, what the stages share, by what it is (imports flow down this list, n
 
 import os
 
-# oneDNN (spa's CPU linear layers, `common/cpu_linear.py`; PyTorch's bf16 matmuls) keeps up to 1024
+# oneDNN (spa's CPU linear layers, `common/kernels/linear.py`; PyTorch's bf16 matmuls) keeps up to 1024
 # compiled products by shape, each holding its own scratch memory; training meets a new shape with
 # every micro-batch length, so the default cache holds hundreds of megabytes nobody reuses. A few
 # dozen cover a decode step's shapes. Read by oneDNN at its first product, so set at import.

@@ -298,7 +298,7 @@ def build_models(config: SPAConfig) -> Models:
     policy = StepPolicy(lm, config.rollout.temperature, value_lr=ppo.critic_lr if shared else None)
     actor_engine = engine(policy, ppo.actor_lr)
     critic_engine = engine(critic, ppo.critic_lr) if critic is not None else None
-    # the tree's attention is spa's SDPA (`stages.common.models.spa_sdpa`)
+    # the tree's attention is spa's SDPA (`stages.common.kernels.attention.spa_sdpa`)
     pack = ppo.share_prefix and lm.config._attn_implementation == "sdpa"
     return Models(actor, tokenizer, actor_engine, critic_engine, shared, reference, generator, dist, pack)
 

@@ -15,9 +15,9 @@ from stages.agent.backends import GenerationRequest, SamplingParams, make_backen
 from stages.agent.backends.base import all_singles
 from stages.agent.backends.hf import HFBackend
 from stages.agent.backends.random import RandomBackend
-from stages.common import models
 from stages.common.config import ModelConfig, SPAConfig
 from stages.common.errors import UserError
+from stages.common.kernels import attention as attention_kernels
 from stages.common.models import load_model, load_tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
@@ -30,7 +30,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    models._use_spa_sdpa()  # as load_model does: shared columns are read once (`shared_prefix_attention`)
+    attention_kernels.register_spa_sdpa()  # as load_model does: shared columns are read once
     return lively_model(tokenizer)
 
 
@@ -117,11 +117,11 @@ def test_columns_every_row_shares_are_read_once_and_change_no_token(tokenizer, m
     leading columns its rows share (the instruction, and in later turns still only what all rows
     have in common), attention reads them through `shared_prefix_attention`, and greedy tokens and
     log-probs equal a fresh one-row run of each prompt, over two turns, under grouped heads."""
-    models._use_spa_sdpa()
+    attention_kernels.register_spa_sdpa()
     model = lively_model(tokenizer, heads=4, kv_heads=2)
     calls = []
-    real = models.shared_prefix_attention
-    monkeypatch.setattr(models, "shared_prefix_attention",
+    real = attention_kernels.shared_prefix_attention
+    monkeypatch.setattr(attention_kernels, "shared_prefix_attention",
                         lambda *args: calls.append(args[4]) or real(*args))
     seen = []
     hook = model.register_forward_pre_hook(
@@ -151,11 +151,11 @@ def test_columns_every_row_shares_are_read_once_and_change_no_token(tokenizer, m
 def test_shared_columns_decode_a_bfloat16_model(tokenizer, monkeypatch):
     """A bfloat16 model's decode steps read the shared columns once too, and get attention outputs
     in their own dtype (the merge runs in float32): every request runs to its end."""
-    models._use_spa_sdpa()
+    attention_kernels.register_spa_sdpa()
     model = lively_model(tokenizer, heads=4, kv_heads=2).to(torch.bfloat16)
     calls = []
-    real = models.shared_prefix_attention
-    monkeypatch.setattr(models, "shared_prefix_attention", lambda *args: calls.append(args[0].dtype) or real(*args))
+    real = attention_kernels.shared_prefix_attention
+    monkeypatch.setattr(attention_kernels, "shared_prefix_attention", lambda *args: calls.append(args[0].dtype) or real(*args))
     rng = random.Random(6)
     instruction = random_ids(rng, 40)
     requests = [GenerationRequest(f"e{i}", instruction + random_ids(rng, 3 + i)) for i in range(4)]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from stages import sft
-from stages.common import cpu_linear
+from stages.common.kernels import linear
 from stages.training import engine as eng
 from stages.training import policy as policy_module
 from stages.training.policy import StepPolicy, ValueModel
@@ -117,7 +117,7 @@ def test_the_fixture_reaches_the_chunked_head_and_onednns_training_products(monk
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this PyTorch has no oneDNN: its training products are not taken")
     products = []
-    monkeypatch.setattr(cpu_linear, "mm_t", lambda *args, mm_t=cpu_linear.mm_t: products.append(1) or mm_t(*args))
+    monkeypatch.setattr(linear, "mm_t", lambda *args, mm_t=linear.mm_t: products.append(1) or mm_t(*args))
     lm = small_llama(checkpointing=False)
     heads = []
     lm.get_output_embeddings().register_forward_hook(lambda module, args, out: heads.append(args[0].shape[0]))

@@ -379,7 +379,7 @@ def test_sft_rows_weighed_alike_over_two_ranks_step_as_one_process(tokenizer, ti
     gradient norm off by far more than that tolerance."""
     from transformers import AutoModelForCausalLM
 
-    from stages.common import models
+    from stages.common.kernels.attention import register_spa_sdpa
     from stages.sft import token_ce
     from stages.training.policy import StepPolicy
     from stages.training.sft_data import collate, epoch_steps, step_plan, tokenize_rows
@@ -392,7 +392,7 @@ def test_sft_rows_weighed_alike_over_two_ranks_step_as_one_process(tokenizer, ti
     parts = [[step[r] for mb in plan for r in mb.rows] for plan in step_plan(step, 2, 4096, share=True)]
     assert len(parts[0]) != len(parts[1])
 
-    models._use_spa_sdpa()  # as load_model does
+    register_spa_sdpa()  # as load_model does
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     policy = StepPolicy(model, temperature=1.0)
 

@@ -1,4 +1,4 @@
-"""Linear layers through oneDNN (`stages.common.cpu_linear`): packed for generation (the same
+"""Linear layers through oneDNN (`stages.common.kernels.linear`): packed for generation (the same
 products, only while active, never stale) and in training (the same gradients)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from helpers import lively_model
 from torch import nn
 
 from stages.common import cpu_linear
-from stages.common.cpu_linear import PackedLinears, onednn_training
+from stages.common.kernels.linear import PackedLinears, onednn_training
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from test_ppo_packing import PAD, assert_close, attention_inputs, outputs_and_grads, two_groups
 
-from stages.common import models, prefix_tree
+from stages.common import prefix_tree
 from stages.common.errors import UserError
+from stages.common.kernels.attention import register_spa_sdpa, spa_sdpa
 from stages.sft import token_ce
 from stages.training import sft_data
 from stages.training.policy import StepPolicy, ValueModel
@@ -54,7 +55,7 @@ def windowed_lm(kind: str, window: int | None, seed: int = 0):
 
 @pytest.fixture(scope="module", params=["qwen2", "gemma3"])
 def kind(request):
-    models._use_spa_sdpa()  # as load_model does: packed rows take `tree_attention`
+    register_spa_sdpa()  # as load_model does: packed rows take `tree_attention`
     return request.param
 
 
@@ -141,7 +142,7 @@ def test_packed_attention_refuses_what_it_cannot_compute():
     on the packed path: refused, in one line."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    models._use_spa_sdpa()
+    register_spa_sdpa()
     config = Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=8, attn_implementation="sdpa")
     packed = prefix_tree.pack([[1, 2, 3], [1, 2, 4]])
@@ -153,7 +154,7 @@ def test_packed_attention_refuses_what_it_cannot_compute():
     assert "\n" not in str(err.value) and config.attn_logit_softcapping
     q = k = v = torch.zeros(1, 2, len(packed), 8)
     with pytest.raises(UserError, match="share_prefix"):
-        models.spa_sdpa(torch.nn.Module(), q, k, v, None, packed_layout=inputs["packed_layout"], s_aux=torch.zeros(2))
+        spa_sdpa(torch.nn.Module(), q, k, v, None, packed_layout=inputs["packed_layout"], s_aux=torch.zeros(2))
 
 
 def scores(forward, field: str, share: bool):

@@ -14,8 +14,9 @@ from test_ppo import read_metrics, tiny_config
 from test_ppo_packing import PAD, two_groups
 
 from stages import ppo
-from stages.common import models, prefix_tree
+from stages.common import prefix_tree
 from stages.common.errors import UserError
+from stages.common.kernels.attention import register_spa_sdpa
 from stages.training import engine as eng
 from stages.training.policy import StepPolicy, ValueModel
 from stages.training.ppo_samples import micro_batches, score
@@ -26,7 +27,7 @@ def test_a_shared_critic_scores_log_probs_and_values_in_one_pass(tokenizer, pack
     """One pass of the policy with its value head gives the policy's log-probs and the values a
     separate critic with the same trunk and head gives; packed rows through spa's tree attention,
     as `load_model` sets it up (the placeholder mask alone would pass through stock SDPA)."""
-    models._use_spa_sdpa()
+    register_spa_sdpa()
     original, tree_calls = prefix_tree.tree_attention, []
 
     def counted(*args, **kwargs):

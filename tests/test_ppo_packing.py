@@ -16,7 +16,8 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from stages.common import models, prefix_tree
+from stages.common import prefix_tree
+from stages.common.kernels.attention import register_spa_sdpa
 from stages.training import loss_agg
 from stages.training import ppo_algos as algos
 from stages.training.policy import StepPolicy, ValueModel
@@ -174,7 +175,7 @@ def test_compiled_flex_attention_equals_sdpa_per_node_on_cuda(window):
 
 @pytest.fixture(scope="module")
 def networks(tokenizer):
-    models._use_spa_sdpa()  # as load_model does: packed rows take `tree_attention`
+    register_spa_sdpa()  # as load_model does: packed rows take `tree_attention`
     torch.manual_seed(0)
     actor = tiny_model(tokenizer, seed=1)
     critic = ValueModel(tiny_model(tokenizer, seed=2))

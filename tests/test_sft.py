@@ -660,7 +660,7 @@ def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_m
     1e-4 x the largest entry for entries near 0."""
     from transformers import AutoModelForCausalLM
 
-    from stages.common import models
+    from stages.common.kernels.attention import register_spa_sdpa
     from stages.sft import token_ce
 
     rng = random.Random(4)
@@ -670,7 +670,7 @@ def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_m
         messages[0] = {"role": "system", "content": "You are a helpful assistant. Think, then answer."}
         rows.append({"messages": messages})
     examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
-    models._use_spa_sdpa()  # as load_model does
+    register_spa_sdpa()  # as load_model does
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     policy = StepPolicy(model, temperature=1.0)
 
@@ -705,7 +705,7 @@ def test_a_step_has_the_gradient_of_its_loss_agg_however_rows_are_grouped(tokeni
     wrong weighting fails."""
     from transformers import AutoModelForCausalLM
 
-    from stages.common import models
+    from stages.common.kernels.attention import register_spa_sdpa
     from stages.sft import token_ce
 
     rng = random.Random(6)
@@ -714,7 +714,7 @@ def test_a_step_has_the_gradient_of_its_loss_agg_however_rows_are_grouped(tokeni
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
     assert len({e.trained for e in examples}) > 1  # unequal rows: the modes weigh them apart
-    models._use_spa_sdpa()  # as load_model does
+    register_spa_sdpa()  # as load_model does
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
     policy = StepPolicy(model, temperature=1.0)
     budget = make_config(data, tiny_model_dir, tmp_path).sft.max_length

@@ -20,7 +20,7 @@ fp32 on a CPU with native bf16 matmul (AVX512-BF16/AMX; docs/results.md). float1
 scaling, which only DeepSpeed on CUDA does.
 
 On a CPU in fp32 both compute the linear layers' products, forward and backward, with oneDNN
-instead of PyTorch's BLAS (`stages.common.cpu_linear.onednn_training`, around the forward and the
+instead of PyTorch's BLAS (`stages.common.kernels.linear.onednn_training`, around the forward and the
 backward, whose checkpointed recomputations must take the forward's path): the same gradients up
 to rounding, faster where that BLAS is slow.
 
@@ -333,13 +333,13 @@ class TorchEngine:
         self.state_dropped = False
 
     def __call__(self, **inputs):
-        from stages.common.cpu_linear import onednn_training
+        from stages.common.kernels.linear import onednn_training
 
         with autocast(self.device, self.autocast_dtype), onednn_training(self.module):
             return self.module(**inputs)
 
     def backward(self, loss, last: bool = True) -> None:
-        from stages.common.cpu_linear import onednn_training
+        from stages.common.kernels.linear import onednn_training
 
         with onednn_training(self.module):  # checkpointed forwards recompute as they first ran
             loss.backward()
@@ -436,7 +436,7 @@ class DeepSpeedEngine:
         self.engine.checkpoint_engine.load = _load_deepspeed_file
 
     def __call__(self, **inputs):
-        from stages.common.cpu_linear import onednn_training
+        from stages.common.kernels.linear import onednn_training
 
         with autocast(self.device, self.autocast_dtype), onednn_training(self.engine.module):
             return self.engine(**inputs)
@@ -448,7 +448,7 @@ class DeepSpeedEngine:
         self.engine.destroy()
 
     def backward(self, loss, last: bool = True) -> None:
-        from stages.common.cpu_linear import onednn_training
+        from stages.common.kernels.linear import onednn_training
 
         # ZeRO averages gradients over ranks; the caller's loss is already normalised globally.
         self.engine.set_gradient_accumulation_boundary(last)

@@ -138,7 +138,7 @@ def _scores(logits, targets, temperature, with_entropy):
 
 def _model_inputs(input_ids, attention_mask, position_ids, layout) -> dict:
     """The model call's arguments; a prefix-tree-packed batch's ``layout`` reaches its attention
-    as ``packed_layout`` (`stages.common.models.spa_sdpa`)."""
+    as ``packed_layout`` (`stages.common.kernels.attention.spa_sdpa`)."""
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               "use_cache": False}
     return inputs | {"packed_layout": layout} if layout is not None else inputs

@@ -184,7 +184,7 @@ def collate(rows: list[list[Sample]], device: Any, pad_id: int) -> dict[str, tor
     Rows of one sample: right-padded ids with a 2D attention mask. A micro-batch of one row of
     several samples (`micro_batches` with ``share``): the samples packed as a prefix tree, with its
     position ids and its attention structure as ``layout`` (a `TreeLayout`, which the model's
-    attention reads: `stages.common.models.spa_sdpa`)."""
+    attention reads: `stages.common.kernels.attention.spa_sdpa`)."""
     if all(len(row) == 1 for row in rows):
         samples = [row[0] for row in rows]
         ids = nn.utils.rnn.pad_sequence([s.ids for s in samples], batch_first=True, padding_value=pad_id)

@@ -408,7 +408,7 @@ def collate(examples: list[Example], device="cpu", share: bool = False) -> dict:
     Without `share` the rows follow one another with restarting position ids; with it they are
     packed as a prefix tree (`stages.common.prefix_tree`), its attention structure as ``layout``
     and a placeholder 4D ``attention_mask`` (the model's attention reads the layout:
-    `stages.common.models.spa_sdpa`)."""
+    `stages.common.kernels.attention.spa_sdpa`)."""
     import torch
 
     from stages.common import prefix_tree

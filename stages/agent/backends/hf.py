@@ -20,7 +20,7 @@ Columns are filled left to right, the same columns for every row::
 ``past`` is copied from KV computed earlier: the leading tokens that every row of the batch reuses
 and has in common (``shared``, e.g. the instruction; at least ``min_shared_prefix`` of them, else
 none) left-aligned, so they sit in the same columns of every row and attention reads them once for
-all rows (`stages.common.models.shared_prefix_attention`, on a CPU under SDPA), the rest
+all rows (`stages.common.kernels.attention.shared_prefix_attention`, on a CPU under SDPA), the rest
 right-aligned, left-padded; ``suffix`` is prefilled (right-aligned, so the last column is every
 row's last prompt token), then decoding appends one column per step. Padding *in the middle* of a
 row is harmless: pads are masked out and skipped by the position ids, so each real token sees
@@ -70,8 +70,8 @@ from stages.agent.backends.base import (
     end_token_ids,
 )
 from stages.common import rss
-from stages.common.cpu_linear import PackedLinears
 from stages.common.errors import UserError
+from stages.common.kernels.linear import PackedLinears
 from stages.common.models import kept_columns
 from stages.common.prefix_tree import common_prefix_len
 
@@ -139,7 +139,7 @@ class _SlabCache(DynamicCache):
 
     def model_kwargs(self) -> dict:
         """What a forward over this cache passes the model besides it: the shared columns' count,
-        for `stages.common.models.spa_sdpa` (which reads them once for all rows)."""
+        for `stages.common.kernels.attention.spa_sdpa` (which reads them once for all rows)."""
         return {"shared_columns": self.shared} if self.shared else {}
 
 

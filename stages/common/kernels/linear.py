@@ -14,7 +14,7 @@ in:
 * `onednn_training(model)` (training): inside the with-block each layer's forward and, through
   autograd, its backward (the input's and the weight's gradients) run as oneDNN products on the
   weights as they are: the rows of a training micro-batch are many, so no reordered copy is kept.
-  The gradients equal PyTorch's up to float32 rounding (tests/test_cpu_linear.py).
+  The gradients equal PyTorch's up to float32 rounding (tests/test_kernels_linear.py).
 
 Both apply only where they help and cannot change what is computed: a CPU, PyTorch built with
 oneDNN, no autocast (it would have changed the products' dtype), weights in float32 (and, for

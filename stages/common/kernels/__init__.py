@@ -1,0 +1,13 @@
+"""spa's own kernels for the parts of a model's forward its time goes to, most of them for a CPU.
+
+* `linear`: the linear layers as oneDNN products instead of PyTorch's BLAS, for generation (on
+  weights reordered once) and for training (forward and backward).
+* `attention`: the attention function spa registers with transformers as "sdpa" (`spa_sdpa`) and
+  the kernels it calls: prefix-tree-packed rows, a decode step's grouped heads without a KV copy,
+  the columns every row shares read once for all rows, a prefill over cached keys as oneDNN
+  products.
+
+Each gives what PyTorch's or transformers' own kernel gives, up to rounding, and applies only
+where it can run (a CPU, PyTorch built with oneDNN, the dtypes it handles); elsewhere the
+stock kernel runs. Loading a model (`stages.common.models.load_model`) registers `spa_sdpa`.
+"""
