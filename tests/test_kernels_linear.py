@@ -10,7 +10,7 @@ import torch
 from helpers import lively_model
 from torch import nn
 
-from stages.common import cpu_linear
+from stages.common.kernels import linear
 from stages.common.kernels.linear import PackedLinears, onednn_training
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
@@ -103,7 +103,7 @@ def test_a_bfloat16_model_generates_on_a_cpu_whose_onednn_has_no_bfloat16(tokeni
         return [(out.token_ids, out.logprobs) for out in HFBackend(model, tokenizer).generate(requests, params)]
 
     with monkeypatch.context() as stock:
-        stock.setattr(cpu_linear, "enabled", False)
+        stock.setattr(linear, "enabled", False)
         expected = generate()
     for name in ("_reorder_linear_weight", "_linear_pointwise"):
         real = getattr(torch.ops.mkldnn, name)
