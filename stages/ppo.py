@@ -12,7 +12,10 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
    handed to training. An episode's score (the sum of its turn rewards and format penalties, plus
    VAGEN's state rewards with ``ppo.state_reward``) is the reward of its last sampled token.
    Validation plays the ``eval.*`` prompt and render mode.
-2. **Filter**: keep the ``ppo.filter_ratio`` of groups with the largest reward std (SPA: 8 of 32).
+2. **Filter**: keep the ``ppo.filter_ratio`` of groups with the largest reward std (SPA: 8 of 32);
+   with ``ppo.filter_include_zero`` off, never a group whose rewards are all alike (RAGEN's
+   ``rollout_filter_include_zero: False``): fewer groups when fewer vary, and when none does the
+   step skips 3-5 (its metrics row says ``kept_groups: 0``).
 3. **Old log-probs and values**: a no-grad pass of the actor (and of the frozen reference when
    ``ppo.kl_coef > 0``) and of the critic over the kept episodes (one pass for both with a
    shared critic; none for the log-probs with ``ppo.old_logprobs: sampler``). The mean
@@ -512,12 +515,13 @@ def episode_figures(episode: Any) -> dict[str, Any]:
             **{key: sum(getattr(turn, key) for turn in episode.turns) for key in STATE_REWARD_METRICS}}
 
 
-def keep_groups(episodes: list[Any], filter_ratio: float, dist: Dist) -> tuple[list[dict], list[Any]]:
-    """The figures of every rank's episodes, and the kept episodes (whole) on every rank, both in
-    the step's group order: every rank sees every score, so every rank keeps the groups one
-    process would keep."""
+def keep_groups(episodes: list[Any], ppo: PPOConfig, dist: Dist) -> tuple[list[dict], list[Any]]:
+    """The figures of every rank's episodes, and the episodes (whole) of the groups the filter keeps
+    (``ppo.filter_ratio``, ``ppo.filter_include_zero``) on every rank, both in the step's group
+    order: every rank sees every score, so every rank keeps the groups one process would keep."""
     figures = [f for part in distributed.all_gather([episode_figures(e) for e in episodes], dist) for f in part]
-    kept_index = algos.filter_groups([f["score"] for f in figures], [f["group"] for f in figures], filter_ratio)
+    kept_index = algos.filter_groups([f["score"] for f in figures], [f["group"] for f in figures], ppo.filter_ratio,
+                                     ppo.filter_include_zero)
     kept_groups = {figures[i]["group"] for i in kept_index}
     mine = [e for e in episodes if e.group in kept_groups]
     return figures, [e for part in distributed.all_gather(mine, dist) for e in part]
@@ -622,10 +626,12 @@ def _forget_validations_after(out: Path, step: int) -> None:
 def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
                   state_reward: bool = False) -> dict[str, float]:
     """What the rollouts did (`figures` of every episode; with `state_reward`, the state reward an
-    episode was paid, on average, and its two parts), whether they are collapsing
+    episode was paid, on average, and its two parts), what the filter saw and kept (``flat_groups``:
+    the groups whose rewards did not vary; ``kept_groups``, ``kept_episodes``), whether they are collapsing
     (`stages.evaluation.collapse`), how well they describe the game (`world_model_stats`), and how far
     the trainer's log-probs are from the sampler's."""
     n = len(figures)
+    spreads = algos.group_spreads([f["score"] for f in figures], [f["group"] for f in figures])
     stats = {
         "reward": sum(f["score"] for f in figures) / n,
         "success": sum(f["success"] for f in figures) / n,
@@ -633,10 +639,13 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
         "turns": sum(f["turns"] for f in figures) / n,
         "response_length": sum(f["response_length"] for f in figures) / n,
         "sequence_length": sum(f["sequence_length"] for f in figures) / n,
+        "flat_groups": sum(algos.is_flat(spread) for spread in spreads.values()),  # no reward spread
+        "kept_groups": len({e.group for e in kept}),
         "kept_episodes": len(kept),
-        "kept_reward": sum(e.total_reward for e in kept) / len(kept),
         "kept_seeds": sorted({e.seed for e in kept}),  # the puzzles trained on
     }
+    if kept:  # none kept: the update was skipped (ppo.filter_include_zero)
+        stats["kept_reward"] = sum(e.total_reward for e in kept) / len(kept)
     stats |= collapse_diagnostics([f["response_tokens"] for f in figures], [f["group"] for f in figures])
     stats |= world_model_stats(figures)
     if state_reward:
@@ -645,7 +654,7 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
              if s.sampler_logprobs is not None and s.old_logprobs is not s.sampler_logprobs]  # none: taken from it
     if diffs:
         stats["logp_diff"] = float(torch.cat(diffs).mean())
-    if samples[0].values is not None:
+    if samples and samples[0].values is not None:
         values, returns, mask = padded(samples, "values"), padded(samples, "returns"), step_mask(samples)
         stats["explained_variance"] = algos.explained_variance(values, returns, mask)
         stats["value_mean"] = float(algos.masked_mean(values, mask))
@@ -756,31 +765,17 @@ def run(config: SPAConfig) -> dict[str, Any]:
             seed_counter += config.rollout.groups
             # 2. keep the groups whose rewards differ the most (every rank sees every score)
             with timer("exchange"):
-                figures, kept = keep_groups(episodes, ppo.filter_ratio, dist)
-            if system_length is None:
-                system_length = system_prompt_length(tokenizer, kept[0].token_ids)
-            samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
-            shares = rank_shares(samples, ppo.mini_batch, dist.world)
-            in_update = scores_in_update(models, shares, ppo)
-            # 3. log-probs and values before the update (each rank its part, then all of them), unless
-            # the update's own forward passes give them
-            bar.update(step - 1, f"step {step}: update on {len(samples)} episodes")
-            score_samples(models, samples, shares, config, timer, in_update)
-            # 4. advantages of the whole batch (in the update when it scores); 5. update (a vLLM engine on
-            # a GPU sleeps meanwhile, leaving its memory to training), then hand the new weights to the
-            # rollout engine, which wakes it
-            if not in_update:
-                compute_advantages(samples, ppo)
-            with timer("update"):
-                if config.rollout.backend == "vllm":
-                    backend.sleep()
-                train_stats = update(models, samples, shares, config, step, in_update=in_update)
-                push_weights(models, backend, config)
+                figures, kept = keep_groups(episodes, ppo, dist)
+            samples: list[Sample] = []
+            train_stats: dict[str, float] = {}
+            if kept:  # none when ppo.filter_include_zero is off and no group's rewards varied: the update is skipped
+                if system_length is None:
+                    system_length = system_prompt_length(tokenizer, kept[0].token_ids)
+                samples = [to_sample(e, ppo.loss_mask, system_length) for e in kept]
+                train_stats = learn(models, backend, samples, config, step, timer, bar)
 
             row = {"step": step, "seed_counter": seed_counter,
                    **rollout_stats(figures, kept, samples, ppo.state_reward != "none"), **train_stats, **timer.seconds}
-            update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
-            row["update_tokens_per_s"] = update_tokens / timer.seconds["seconds_update"]
             row["peak_rss_gb"] = rss.peak()["peak_rss_gb"]
             last_step = step == ppo.steps
             if ppo.val_every and (last_step or step % ppo.val_every == 0):
@@ -797,10 +792,36 @@ def run(config: SPAConfig) -> dict[str, Any]:
                 save_checkpoint(run_dir, FINAL_DIR, models, progress, with_optimizer=ppo.final_state)
             elif step % ppo.save_every == 0:
                 save_checkpoint(run_dir, f"step-{step}", models, progress)
-            bar.update(step, f"reward {row['reward']:.3f} success {row['success']:.2f}")
+            skipped = "" if kept else "; no group's rewards varied, update skipped"
+            bar.update(step, f"reward {row['reward']:.3f} success {row['success']:.2f}{skipped}")
     console.say(f"ppo: {step} steps done; final checkpoint {run_dir.final}, metrics {run_dir.metrics}")
     return {"out": str(run_dir.out), "steps": step, "final": str(run_dir.final),
             "last": _finite_or_none(last), **rss.peak()}
+
+
+def learn(models: Models, backend: Any, samples: list[Sample], config: SPAConfig, step: int, timer: _Timer,
+          bar: Any) -> dict[str, float]:
+    """Steps 3-5 of a PPO step on the kept episodes' `samples`: their scores, advantages and the
+    update, then the new weights handed to the rollout engine; returns the update's figures."""
+    ppo, dist = config.ppo, models.dist
+    shares = rank_shares(samples, ppo.mini_batch, dist.world)
+    in_update = scores_in_update(models, shares, ppo)
+    # 3. log-probs and values before the update (each rank its part, then all of them), unless
+    # the update's own forward passes give them
+    bar.update(step - 1, f"step {step}: update on {len(samples)} episodes")
+    score_samples(models, samples, shares, config, timer, in_update)
+    # 4. advantages of the whole batch (in the update when it scores); 5. update (a vLLM engine on
+    # a GPU sleeps meanwhile, leaving its memory to training), then hand the new weights to the
+    # rollout engine, which wakes it
+    if not in_update:
+        compute_advantages(samples, ppo)
+    with timer("update"):
+        if config.rollout.backend == "vllm":
+            backend.sleep()
+        stats = update(models, samples, shares, config, step, in_update=in_update)
+        push_weights(models, backend, config)
+    update_tokens = sum(len(s.ids) for s in samples) * ppo.ppo_epochs
+    return stats | {"update_tokens_per_s": update_tokens / timer.seconds["seconds_update"]}
 
 
 @contextlib.contextmanager

@@ -404,6 +404,13 @@ class PPOConfig(TrainingConfig):
     filter_ratio: float = setting(0.25, gt=0, le=1, help=(
         "Keep this fraction of the groups, those with the largest reward std: groups whose episodes all "
         "scored alike teach nothing."), paper="0.25 (8 of 32 groups)")
+    filter_include_zero: bool = setting(True, help=(
+        "Whether the filter may keep a group whose episodes all scored alike (RAGEN's "
+        "actor_rollout_ref.rollout.rollout_filter_include_zero). false: such a group is never kept (its "
+        "episodes compare no actions: GRPO gives them advantage 0); the filter_ratio share of groups "
+        "comes from those whose rewards vary, all of them when fewer vary, and a step where none varies "
+        "skips its update (its metrics row has kept_groups 0). The episodes kept then vary from step to "
+        "step: mini-batches take mini_batch of them in turn, the last the rest."), paper="true")
     mini_batch: int = setting(64, ge=1, help="Episodes per optimizer step; must divide the episodes kept per step.",
                               paper="64")
     ppo_epochs: int = setting(1, ge=1, help="Passes over the kept episodes per step.", paper="1")

@@ -29,6 +29,8 @@ _WHITEN_EPS = 1e-8
 # The low-variance KL estimator is bounded as in common practice: a single token with a huge
 # log-ratio must not dominate the penalty.
 _K3_BOUND = 10.0
+#: A group's population std of scores at or below this counts as no spread (`is_flat`).
+FLAT_SPREAD = 1e-9
 
 
 # ---- aggregation ---------------------------------------------------------------------------
@@ -307,15 +309,29 @@ def group_spreads(scores: list[float], groups: list[int]) -> dict[int, float]:
     return {g: float(torch.tensor(s, dtype=torch.float64).std(unbiased=False)) for g, s in by_group.items()}
 
 
-def filter_groups(scores: list[float], groups: list[int], ratio: float) -> list[int]:
+def filter_groups(scores: list[float], groups: list[int], ratio: float, include_zero: bool = True) -> list[int]:
     """Keep the ``ratio`` of groups whose rewards vary the most; returns the kept episode indices.
 
     Groups are ranked by the population std of their episodes' scores, largest first; ties keep
     the group that appears first in ``groups``, so the choice is deterministic. Indices come back
     in their original order.
+
+    With ``include_zero`` off (RAGEN's ``rollout_filter_include_zero: False``) a group whose scores
+    do not vary (`is_flat`) is never kept: the ratio's number of groups is taken from the others,
+    all of them when fewer vary, and none when no group varies.
     """
     spread = group_spreads(scores, groups)
     order = list(spread)  # groups in first-appearance order
-    ranked = sorted(order, key=lambda g: -spread[g])  # sorted() is stable: ties stay in order
-    kept = set(ranked[: groups_to_keep(len(order), ratio)])
+    count = groups_to_keep(len(order), ratio)
+    candidates = order if include_zero else [g for g in order if not is_flat(spread[g])]
+    ranked = sorted(candidates, key=lambda g: -spread[g])  # sorted() is stable: ties stay in order
+    kept = set(ranked[:count])
     return [i for i, group in enumerate(groups) if group in kept]
+
+
+def is_flat(spread: float) -> bool:
+    """Whether a group's reward spread is none: its scores differ by float rounding at most.
+
+    A score is a sum of a few dozen rewards of magnitude <= 10, whose rounding is below 1e-12; the
+    smallest real difference between two episodes is a share of a state reward, above 1e-3."""
+    return spread <= FLAT_SPREAD

@@ -240,10 +240,13 @@ def rank_micro_batches(parts: list[list[Sample]], token_budget: int, rank: int,
                        share: bool = False) -> list[tuple[list[list[Sample]], float]]:
     """Rank `rank`'s micro-batches (`micro_batches`: rows of samples) of ``parts[rank]`` as (rows,
     weight 1.0), then fillers (its first micro-batch again, weight 0.0) up to the most
-    micro-batches any rank has: every rank makes the same number of passes."""
+    micro-batches any rank has: every rank makes the same number of passes. A rank without samples
+    (a last mini-batch of fewer episodes than ranks, ``ppo.filter_include_zero: false``) fills with
+    another rank's first micro-batch."""
     plans = [micro_batches(part, token_budget, share) for part in parts]
     mine = plans[rank]
-    return [(micro, 1.0) for micro in mine] + [(mine[0], 0.0)] * (max(len(p) for p in plans) - len(mine))
+    filler = mine[0] if mine else next(plan[0] for plan in plans if plan)
+    return [(micro, 1.0) for micro in mine] + [(filler, 0.0)] * (max(len(p) for p in plans) - len(mine))
 
 
 @torch.no_grad()

@@ -1,0 +1,115 @@
+"""PPO settings that make small batches count: the filter without flat groups (RAGEN's
+``rollout_filter_include_zero``), GRPO without the std division (verl's ``norm_adv_by_std_in_grpo``),
+critic warm-up (verl's ``trainer.critic_warmup``), and several optimizer steps per PPO step
+(``ppo.mini_batch``, ``ppo.ppo_epochs``: verl's ``ppo_mini_batch_size``, ``ppo_epochs``)."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+from test_ppo import read_metrics, tiny_config
+
+from stages import ppo
+from stages.training import ppo_algos as algos
+from stages.training import ppo_samples
+
+# ---- the filter without flat groups ----------------------------------------------------------------
+
+#            group 0: flat      group 1: std .0433     group 2: flat, all solved   group 3: std .433
+SCORES = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.1, 10.5, 10.5, 10.5, 10.5, 1.0, 0.0, 0.0, 0.0,
+          # group 4: a tie with group 1   group 5: 0.1 + 0.2 against 0.3, unequal floats of one sum
+          -0.1, 0.0, 0.0, 0.0, 0.1 + 0.2, 0.3, 0.3, 0.3]
+GROUPS = [g for g in range(6) for _ in range(4)]
+
+
+def episodes_of(kept_groups):
+    return [i for i, group in enumerate(GROUPS) if group in kept_groups]
+
+
+def test_without_zero_the_filter_never_keeps_a_group_whose_rewards_do_not_vary():
+    assert 0 < algos.group_spreads(SCORES, GROUPS)[5] <= algos.FLAT_SPREAD  # float rounding, not a spread
+    # ratio 1: every group with a spread, none without
+    assert algos.filter_groups(SCORES, GROUPS, 1.0, include_zero=False) == episodes_of({1, 3, 4})
+    # 6 x 0.5 = 3 groups wanted, 3 vary: the same three
+    assert algos.filter_groups(SCORES, GROUPS, 0.5, include_zero=False) == episodes_of({1, 3, 4})
+    # 2 wanted: the largest spread, then of the tied groups 1 and 4 the first seen
+    assert algos.filter_groups(SCORES, GROUPS, 2 / 6, include_zero=False) == episodes_of({1, 3})
+    assert algos.filter_groups(SCORES, GROUPS, 1 / 6, include_zero=False) == episodes_of({3})
+    # with zero (the default, SPA's): a ratio beyond the varied groups fills up with flat ones, group 5's
+    # rounding first, then the first seen of the exact zeros
+    assert algos.filter_groups(SCORES, GROUPS, 4 / 6) == episodes_of({1, 3, 4, 5})
+    assert algos.filter_groups(SCORES, GROUPS, 5 / 6) == episodes_of({0, 1, 3, 4, 5})
+    assert algos.filter_groups(SCORES, GROUPS, 1.0) == list(range(len(SCORES)))
+
+
+def test_without_zero_a_batch_of_flat_groups_keeps_nothing():
+    flat = [0.0, 0.0, -0.1, -0.1, 10.5, 10.5]
+    assert algos.filter_groups(flat, [0, 0, 1, 1, 2, 2], 1.0, include_zero=False) == []
+    assert algos.filter_groups(flat, [0, 0, 1, 1, 2, 2], 1.0) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_rank_without_samples_in_a_short_mini_batch_makes_filler_passes():
+    """Two ranks, a last mini-batch of one episode (the filter kept fewer than ppo.mini_batch): rank 1
+    has nothing of it and repeats rank 0's micro-batch with weight 0, so both make the same passes."""
+    samples = [ppo_samples.Sample(torch.zeros(n, dtype=torch.long), *([None] * 6), score=0.0, group=0)
+               for n in (5, 3, 9)]
+    shares = ppo_samples.rank_shares(samples, mini_batch=2, world=2)
+    assert shares == [[[0], [1]], [[2], []]]
+    parts = [[samples[i] for i in part] for part in shares[1]]
+    assert ppo_samples.rank_micro_batches(parts, 100, rank=0) == [([[samples[2]]], 1.0)]
+    assert ppo_samples.rank_micro_batches(parts, 100, rank=1) == [([[samples[2]]], 0.0)]
+
+
+def flatten_scores(monkeypatch, spread_from_step):
+    """Every episode of a step before `spread_from_step` scores 0 (no group varies); from it on, the
+    first group's episodes score 0, 1, ... (one group varies). Returns the steps the update ran at."""
+    real_play, real_update = ppo.play_share, ppo.update
+    updated = []
+
+    def play_share(config, backend, step, *args):
+        episodes = real_play(config, backend, step, *args)
+        for episode in episodes:
+            varied = step >= spread_from_step and episode.group == 0
+            episode.total_reward = float(episode.sample) if varied else 0.0
+        return episodes
+
+    def update(models, samples, shares, config, step, **kwargs):
+        updated.append((step, len(samples), [len(mini[0]) for mini in shares]))
+        return real_update(models, samples, shares, config, step, **kwargs)
+
+    monkeypatch.setattr(ppo, "play_share", play_share)
+    monkeypatch.setattr(ppo, "update", update)
+    return updated
+
+
+def test_a_step_where_no_group_varies_skips_its_update_and_says_so(tiny_model_dir, tmp_path, monkeypatch):
+    """Step 1: both groups flat, nothing kept, no update, the weights as they were. Step 2: one group
+    varies; its 2 episodes make one mini-batch of ppo.mini_batch=4, the rest of an empty one."""
+    updated = flatten_scores(monkeypatch, spread_from_step=2)
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.zero_stage=0", "rollout.max_turns=1", "ppo.mini_batch=4",
+                        "ppo.filter_include_zero=false", "ppo.save_every=1"))
+    skipped, trained = read_metrics(out)
+    assert (skipped["flat_groups"], skipped["kept_groups"], skipped["kept_episodes"]) == (2, 0, 0)
+    assert "pg_loss" not in skipped and "kept_reward" not in skipped and "seconds_update" not in skipped
+    assert skipped["seed_counter"] == 2  # the step's puzzles were played all the same
+    assert (trained["flat_groups"], trained["kept_groups"], trained["kept_episodes"]) == (1, 1, 2)
+    assert trained["kept_reward"] == 0.5 and "pg_loss" in trained
+    assert updated == [(2, 2, [2])]
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert same_weights(load_file(out / "step-1" / "model.safetensors"), initial)
+    assert not same_weights(load_file(out / "final" / "model.safetensors"), initial)
+
+
+def same_weights(weights: dict, others: dict) -> bool:
+    assert weights.keys() == others.keys()
+    return all(torch.equal(weights[name], others[name]) for name in weights)
+
+
+def test_with_zero_flat_groups_are_trained_on_as_before(tiny_model_dir, tmp_path, monkeypatch):
+    updated = flatten_scores(monkeypatch, spread_from_step=3)
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.zero_stage=0", "rollout.max_turns=1", "ppo.steps=1"))
+    [row] = read_metrics(out)
+    assert (row["flat_groups"], row["kept_groups"], row["kept_episodes"]) == (2, 2, 4)
+    assert updated == [(1, 4, [2, 2])]
