@@ -18,8 +18,9 @@ such blocks are freed, trimming the heap's top above twice the threshold. A fres
 forwards thus fault in most of their tensors anew. `load_model` starts the heap where glibc's own
 rule ends up (`heap_at_steady_state`); generation, whose tensors all die with each forward, keeps
 even larger blocks in the heap while it runs (`blocks_kept_in_heap`), so each forward reuses the
-last one's pages; `return_freed_memory` hands free pages back between stages and before training
-passes.
+last one's pages, where glibc allows it: up to 2.34 (RHEL 9, Amazon Linux 2023) glibc refuses an
+mmap threshold above half its HEAP_MAX_SIZE, 32 MiB on 64-bit, and generation then keeps the steady
+threshold. `return_freed_memory` hands free pages back between stages and before training passes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ GB = 1e9
 
 #: mallopt's parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-#: glibc's ceiling for its dynamic mmap threshold on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX).
+#: glibc's ceiling for its dynamic mmap threshold on 64-bit systems (DEFAULT_MMAP_THRESHOLD_MAX), and
+#: the largest one glibc up to 2.34 lets mallopt set (HEAP_MAX_SIZE / 2).
 STEADY_MMAP_THRESHOLD = 32 * 2**20
 #: While generating: a prefill forward's largest activations (thousands of tokens x the MLP's width)
 #: are tens of MB, all freed by the forward's end.
@@ -107,23 +109,28 @@ def heap_at_steady_state() -> None:
 
 
 @contextlib.contextmanager
-def blocks_kept_in_heap() -> Iterator[None]:
-    """Within: every block up to `GENERATION_MMAP_THRESHOLD` comes from the heap and stays there
-    when freed, for the next forward to reuse. After: the steady thresholds again, under which
-    glibc may trim what is free above them at the heap's top; `return_freed_memory` hands back the
-    rest. For code whose large tensors all die before it returns."""
-    if not _set_thresholds(GENERATION_MMAP_THRESHOLD):
-        yield
+def blocks_kept_in_heap() -> Iterator[int | None]:
+    """Within: every block below the mmap threshold it yields comes from the heap and stays there
+    when freed, for the next forward to reuse. That threshold is `GENERATION_MMAP_THRESHOLD`, or
+    where glibc refuses it (up to 2.34) the largest it accepts, `STEADY_MMAP_THRESHOLD`: larger
+    blocks then come from mappings of their own, as outside; None where glibc is absent or refuses
+    both. After: the steady thresholds again, under which glibc may trim what is free above them at
+    the heap's top; `return_freed_memory` hands back the rest. For code whose large tensors all die
+    before it returns."""
+    in_force = next((threshold for threshold in (GENERATION_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
+                     if _set_thresholds(threshold)), None)
+    if in_force is None:
+        yield None
         return
     try:
-        yield
+        yield in_force
     finally:
         _set_thresholds(STEADY_MMAP_THRESHOLD)
 
 
 def _set_thresholds(mmap_threshold: int) -> bool:
     """glibc's mmap threshold, and its trim threshold at twice that (at most C int's maximum), as
-    its dynamic rule pairs them; False where glibc is absent or refuses."""
+    its dynamic rule pairs them; False where glibc is absent or refuses (mallopt answers 0)."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
