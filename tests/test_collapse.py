@@ -1,5 +1,9 @@
 """Collapse diagnostics (`stages.evaluation.collapse`) on constructed rollouts: healthy, collapsed into one
-repeated token, and collapsed into one template whatever the puzzle; exact values by hand."""
+repeated token, and collapsed into one template whatever the puzzle; exact values by hand.
+
+Tolerances: a mean of similarities (each below 1) is a correctly rounded sum divided once, within
+1.5 x 2^-53 of the true mean; input dependence divides differences of such means by 1 - across, so
+its rounding is a few 2^-53 over 1 - across."""
 
 import random
 
@@ -24,7 +28,7 @@ def test_healthy_rollouts_differ_do_not_repeat_and_depend_on_the_puzzle():
     # sample: 3 shared ((1,2), (3,4), (4, 500+s)) of 11; other puzzle and sample: 2 shared of 12.
     # Across pairs: 16 x 12 / 2 = 96, of which 16 x 3 / 2 = 24 share the sample.
     across = (24 * 3 / 11 + 72 * 2 / 12) / 96
-    assert figures["input_dependence"] == pytest.approx(6 / 8 - across, abs=1e-12)
+    assert figures["input_dependence"] == pytest.approx((6 / 8 - across) / (1 - across), abs=8 * 2**-53 / (1 - across))
     assert figures["input_dependence"] > 0.5
 
 
@@ -66,5 +70,59 @@ def test_figures_a_batch_cannot_define_are_left_out():
     # one puzzle: no pair across puzzles
     assert set(collapse_diagnostics([[1, 2], [1, 2]], [0, 0])) == {
         "distinct_responses", "repeated_ngrams", "distinct_in_group"}
-    with pytest.raises(ValueError):
-        input_dependence([[1, 2], [3, 4]], [0, 1])
+    assert input_dependence([[1, 2], [3, 4]], [0, 1]) is None
+
+
+def shared_template(length: int) -> list[int]:
+    """A text every response starts with: `length` tokens, 1 to `length`."""
+    return list(range(1, length + 1))
+
+
+def own_text(key: int) -> list[int]:
+    """Three tokens of their own for each `key`: two responses with different keys share no bigram here."""
+    return [10_000 + 3 * key, 10_001 + 3 * key, 10_002 + 3 * key]
+
+
+GROUPS = [g for g in range(4) for _ in range(4)]  # 4 puzzles, 4 samples each
+
+
+def test_responses_as_alike_within_a_puzzle_as_across_puzzles_score_0_at_any_entropy():
+    """Template collapse: every response alike (identical), or every response one template with text
+    of its own, the template short (much noise a token) or long (little): no pair within a puzzle is
+    more alike than a pair across, so nothing depends on the puzzle."""
+    assert input_dependence([[5, 6, 7, 8] for _ in GROUPS], GROUPS) == 0.0
+    for length in (2, 30):
+        responses = [shared_template(length) + own_text(i) for i in range(len(GROUPS))]
+        alike = (length - 1) / (length - 1 + 6)  # every pair: the template's bigrams of 3 + 3 of their own each
+        assert input_dependence(responses, GROUPS) == pytest.approx(0.0, abs=4 * 2**-53 / (1 - alike)), length
+
+
+def test_responses_that_depend_on_the_puzzle_alone_score_the_maximum_1():
+    """Each puzzle's samples identical, different puzzles' responses different, whatever they share
+    across puzzles (here 3 of their 6 bigrams: alike 1/3 across, which a plain difference would subtract)."""
+    responses = [[1, 2, 3, 100 + g, 200 + g, 4, 5] for g in GROUPS]
+    assert input_dependence(responses, GROUPS) == 1.0
+    assert input_dependence([own_text(g) for g in GROUPS], GROUPS) == 1.0  # nothing shared across
+
+
+def test_the_same_dependence_on_the_puzzle_in_a_longer_shared_template_scores_the_same():
+    """Three samples of each puzzle write its own text, the fourth a text of its own; the texts follow a
+    template every response shares, none (more bits a token) or 8 tokens (fewer). Half of the pairs
+    within a puzzle are identical, the rest and every pair across differ alike: within = (1 + s) / 2,
+    across = s, so input dependence is 1/2 at any s, where within minus across, (1 - s) / 2, falls
+    from 1/2 to 3/13 with the template."""
+    for length, alike in ((0, 0.0), (8, 7 / 13)):  # differing pairs: the template's 7 bigrams of 7 + 3 + 3
+        responses = [shared_template(length) + own_text(g if sample < 3 else 100 + 4 * g + sample)
+                     for g, sample in zip(GROUPS, [s for _ in range(4) for s in range(4)])]
+        assert input_dependence(responses, GROUPS) == pytest.approx(0.5, abs=8 * 2**-53 / (1 - alike)), length
+
+
+def test_responses_without_a_bigram_are_no_evidence():
+    """Empty and one-token responses are left out of the pairs: two of them are not alike, they are
+    unmeasured. Added to healthy rollouts they change nothing; alone they give no figure."""
+    responses = [puzzle_response(g, s) for g in range(4) for s in range(4)]
+    healthy = input_dependence(responses, GROUPS)
+    unmeasured = [[], [], [7]]  # each puzzle also gets two empty answers and a one-token one
+    padded = [response for g in range(4) for response in responses[4 * g:4 * g + 4] + unmeasured]
+    assert input_dependence(padded, [g for g in range(4) for _ in range(7)]) == healthy
+    assert collapse_diagnostics([[], [7], [], [9]], [0, 0, 1, 1])["input_dependence"] is None

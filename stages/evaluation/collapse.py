@@ -12,17 +12,36 @@ response). Reward alone does not show either early. Four figures do, each in [0,
 * ``distinct_responses``: the share of distinct responses in the whole batch, across puzzles;
 * ``repeated_ngrams``: of all n-grams (``NGRAM`` tokens) in the responses, the share that repeat an
   earlier n-gram of the same response: near 0 for text, near 1 for a token repeated to the limit;
-* ``input_dependence``: how much more alike two responses to the same puzzle are than two responses
-  to different puzzles (mean Jaccard similarity of their token-bigram sets, within groups minus
-  across groups). Responses that describe their puzzle (an observation, coordinates) score well
-  above 0; one template for every puzzle scores 0, whether its samples are identical or noisy.
-  A cheap stand-in for the mutual information of RAGEN-2: no extra forward pass, read from the text.
+* ``input_dependence``: how much of what sets two responses to different puzzles apart is gone when
+  they answer the same puzzle. With ``d`` the Jaccard distance of two responses' token-bigram sets
+  (1 minus their similarity), it is ``1 - mean d within groups / mean d across groups``, which is
+  ``(within - across) / (1 - across)`` in mean similarities: the within-group similarity measured
+  against the across-group similarity as its baseline, on the scale of what is left above it.
+  A cheap stand-in for the mutual information of RAGEN-2 (no extra forward pass, read from the
+  text), which like it does not move with the entropy of responses that ignore the puzzle:
 
-A figure that a batch cannot define (no group of two, one group only) is left out.
+  - 0 whenever responses to one puzzle are, on average, no more alike than responses to different
+    puzzles, however alike they all are: one template for every puzzle scores 0 whether its samples
+    are identical (low entropy) or noisy (high entropy);
+  - 1, its maximum, when each puzzle's responses are identical and differ from other puzzles',
+    however much text they share across puzzles;
+  - unchanged when every distance is scaled by one factor. A longer template that every response
+    shares (fewer bits a token) does that when, apart from it, two responses are either identical
+    or share no bigram: the same dependence on the puzzle then scores the same at any template
+    length, where a plain difference of similarities shrinks with the distances;
+  - below 0 only when one puzzle's responses differ more than different puzzles' (sampling noise
+    around 0).
+
+  A response with no bigram (empty, or one token) gives no evidence and is left out of the pairs:
+  two of them are not alike, they are unmeasured.
+
+A figure that a batch cannot define (no group of two, one group only) is left out; input dependence
+is None when its responses leave no pair within a group or across groups to compare.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from itertools import combinations, pairwise
 
@@ -30,7 +49,7 @@ from itertools import combinations, pairwise
 NGRAM = 4
 
 
-def collapse_diagnostics(responses: Sequence[Sequence[int]], groups: Sequence[int]) -> dict[str, float]:
+def collapse_diagnostics(responses: Sequence[Sequence[int]], groups: Sequence[int]) -> dict[str, float | None]:
     """The four figures of the module docstring for ``responses`` (each episode's sampled token ids,
     all its turns) played on the puzzles ``groups`` (one group id an episode)."""
     if len(responses) != len(groups):
@@ -58,22 +77,27 @@ def repeated_ngram_share(responses: Sequence[Sequence[int]], n: int = NGRAM) -> 
     return repeated / total if total else 0.0
 
 
-def input_dependence(responses: Sequence[Sequence[int]], groups: Sequence[int]) -> float:
-    """Mean bigram-set similarity of response pairs from the same group minus that of pairs from
-    different groups (needs a group of two and two groups)."""
+def input_dependence(responses: Sequence[Sequence[int]], groups: Sequence[int]) -> float | None:
+    """``(within - across) / (1 - across)``, with `within` and `across` the mean Jaccard similarity of
+    the bigram sets of response pairs from the same group and from different groups (the module
+    docstring says what it guarantees). Responses without a bigram are left out; None when no pair
+    within a group or none across groups is left."""
     bigrams = [frozenset(pairwise(response)) for response in responses]
+    comparable = [i for i, grams in enumerate(bigrams) if grams]
     within, across = [], []
-    for i, j in combinations(range(len(responses)), 2):
+    for i, j in combinations(comparable, 2):
         (within if groups[i] == groups[j] else across).append(_jaccard(bigrams[i], bigrams[j]))
     if not within or not across:
-        raise ValueError("input dependence needs two responses of one group and responses of two groups")
-    return _mean(within) - _mean(across)
+        return None
+    alike_within, alike_across = _mean(within), _mean(across)
+    if alike_across == 1.0:  # every pair across puzzles identical, so every response is: nothing depends on it
+        return 0.0
+    return (alike_within - alike_across) / (1.0 - alike_across)
 
 
 def _jaccard(first: frozenset, second: frozenset) -> float:
-    union = len(first | second)
-    return len(first & second) / union if union else 1.0  # two responses too short for a bigram: alike
+    return len(first & second) / len(first | second)
 
 
 def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
+    return math.fsum(values) / len(values)  # a correctly rounded sum: within 2 ulps of the true mean at any count
