@@ -25,7 +25,8 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
    the update's first forward of each network is taken before that network's only step, so its
    log-probs and values are the old ones (the ratio is exactly 1), two forward passes saved.
 4. **Advantages**: token-level GAE (gamma = lambda = 1 by default, so A_t = R - V_t) whitened over
-   the batch; or the bi-level (turn-level) GAE; or GRPO's group-normalised score, without a critic.
+   the batch; or the bi-level (turn-level) GAE; or GRPO's group-normalised score, without a critic
+   (without the group's std with ``ppo.norm_adv_by_std_in_grpo: false``, verl's Dr. GRPO).
 5. **Update**: ``ppo.ppo_epochs`` passes over mini-batches of ``ppo.mini_batch`` episodes, in
    order, one optimizer step per mini-batch for actor and critic (`stages.training.trainable`:
    DeepSpeed ZeRO, or plain torch with ``zero_stage: 0``; AdamW, constant lr, gradient clipping):
@@ -202,6 +203,9 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
     if ppo.lora_rank and ppo.zero_stage == 3:
         raise UserError("ppo.lora_rank > 0 trains adapters on frozen weights that every rank keeps whole (checkpoints "
                         "and weight pushes merge them); ZeRO-3 would shard them: use ppo.zero_stage 0-2")
+    if not ppo.norm_adv_by_std_in_grpo and ppo.advantage != "grpo":
+        raise UserError(f"ppo.norm_adv_by_std_in_grpo=false changes GRPO's advantage, and ppo.advantage={ppo.advantage} "
+                        "whitens over the batch instead; set ppo.advantage=grpo, or leave it true")
     if ppo.advantage == "grpo" and rollout.group_size < 2:
         raise UserError("ppo.advantage=grpo compares episodes within a group: rollout.group_size must be >= 2")
     kept_groups = algos.groups_to_keep(rollout.groups, ppo.filter_ratio)

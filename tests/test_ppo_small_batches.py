@@ -5,11 +5,13 @@ critic warm-up (verl's ``trainer.critic_warmup``), and several optimizer steps p
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_ppo import read_metrics, tiny_config
 
 from stages import ppo
+from stages.common.errors import UserError
 from stages.training import ppo_algos as algos
 from stages.training import ppo_samples
 
@@ -113,3 +115,45 @@ def test_with_zero_flat_groups_are_trained_on_as_before(tiny_model_dir, tmp_path
     [row] = read_metrics(out)
     assert (row["flat_groups"], row["kept_groups"], row["kept_episodes"]) == (2, 2, 4)
     assert updated == [(1, 4, [2, 2])]
+
+
+# ---- GRPO without the std division ---------------------------------------------------------------
+
+#: A group whose scores differ by the format penalty alone, and one where an episode solved the puzzle.
+PENALTY_ONLY, ONE_SOLVED = [0.0, 0.0, 0.0, -0.1], [1.0, 0.0, 0.0, 0.0]
+
+
+def grpo_advantages(norm_by_std):
+    scores = torch.tensor(PENALTY_ONLY + ONE_SOLVED + [3.0], dtype=torch.float64)
+    return algos.group_advantages(scores, torch.tensor([0] * 4 + [1] * 4 + [2]), norm_by_std=norm_by_std)
+
+
+def test_grpo_without_the_std_centres_each_group_on_its_mean():
+    # means -0.025 and 0.25; a group of one episode has no baseline: 0
+    expected = torch.tensor([0.025, 0.025, 0.025, -0.075, 0.75, -0.25, -0.25, -0.25, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(grpo_advantages(norm_by_std=False), expected, rtol=0, atol=1e-15)
+
+
+def test_grpo_with_the_std_gives_the_penalty_group_the_size_of_a_success():
+    # unbiased stds 0.05 and 0.5, plus eps 1e-6: both groups are about (+-)0.5, 0.5, 0.5, 1.5
+    expected = torch.tensor([0.025, 0.025, 0.025, -0.075] + [0.0] * 5, dtype=torch.float64) / (0.05 + 1e-6)
+    expected[4:8] = torch.tensor([0.75, -0.25, -0.25, -0.25], dtype=torch.float64) / (0.5 + 1e-6)
+    torch.testing.assert_close(grpo_advantages(norm_by_std=True), expected, rtol=0, atol=1e-12)
+    assert expected[3] == pytest.approx(-1.5, abs=1e-4) and expected[4] == pytest.approx(1.5, abs=1e-4)
+
+
+def test_the_setting_reaches_every_token_of_the_grpo_advantage():
+    from stages.common.config import PPOConfig
+
+    samples = [ppo_samples.Sample(torch.zeros(3, dtype=torch.long), torch.tensor(range(steps)), *([None] * 5),
+                                  score=score, group=0) for steps, score in zip((2, 3, 1, 2), PENALTY_ONLY)]
+    ppo_samples.compute_advantages(samples, PPOConfig(advantage="grpo", norm_adv_by_std_in_grpo=False))
+    assert [s.advantages.tolist() for s in samples] == [[pytest.approx(a)] * s.steps
+                                                        for s, a in zip(samples, (0.025, 0.025, 0.025, -0.075))]
+
+
+def test_the_std_switch_is_refused_beside_a_critic(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match=r"ppo.norm_adv_by_std_in_grpo=false changes GRPO's advantage, and "
+                                        r"ppo.advantage=gae whitens over the batch") as info:
+        ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.norm_adv_by_std_in_grpo=false"))
+    assert "\n" not in str(info.value)

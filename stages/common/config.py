@@ -391,6 +391,13 @@ class PPOConfig(TrainingConfig):
         "reward on its last token, turn-level GAE over the turns (turn_gamma, lam), then token-level GAE "
         'inside each turn (the VAGEN arm); "grpo": the group-normalised episode score, no critic (cheaper).'),
         paper="gae")
+    norm_adv_by_std_in_grpo: bool = setting(True, help=(
+        "With advantage grpo, divide each episode's score minus its group's mean by the group's std (verl's "
+        "algorithm.norm_adv_by_std_in_grpo, TRL's scale_rewards). false: the mean-centred score alone (Dr. "
+        "GRPO), so a group whose scores differ only by a format penalty ([0, 0, 0, -0.1]: advantages 0.025 "
+        "and -0.075) weighs a tenth of one where an episode solved the puzzle ([1, 0, 0, 0]: 0.75 and "
+        "-0.25) instead of as much (the std scales both to 1.5 and 0.5 in size). Only grpo reads it."),
+        paper="true (SPA uses gae)")
     turn_gamma: float = setting(0.95, ge=0, le=1, help="Discount between turns of the bi-level GAE.",
                                 paper="0.95 (high_level_gamma; unused by SPA)")
     clip_low: float = setting(0.2, gt=0, lt=1, help="PPO's ratio clip below: 1 - clip_low.", paper="0.2")

@@ -126,11 +126,15 @@ def bilevel_gae(turn_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Te
 
 
 @torch.no_grad()
-def group_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6,
+                     norm_by_std: bool = True) -> torch.Tensor:
     """GRPO-style critic-free advantage, one per episode: ``(r - group mean) / (group std + eps)``.
 
-    The std is the unbiased sample std of the group. A group of one episode has no baseline to
-    compare with and gets advantage 0. Broadcast to tokens with ``advantage[:, None] * mask``.
+    The std is the unbiased sample std of the group. Without ``norm_by_std`` (verl's
+    ``norm_adv_by_std_in_grpo: False``, Dr. GRPO) the advantage is ``r - group mean``: a group whose
+    scores differ by a format penalty alone gets advantages of that size, not the same +-1.5 as a
+    group where one episode solved the puzzle. A group of one episode has no baseline to compare
+    with and gets advantage 0. Broadcast to tokens with ``advantage[:, None] * mask``.
     """
     advantages = torch.zeros_like(scores)
     for group in torch.unique(groups):
@@ -138,7 +142,8 @@ def group_advantages(scores: torch.Tensor, groups: torch.Tensor, eps: float = 1e
         if members.sum() < 2:
             continue
         group_scores = scores[members]
-        advantages[members] = (group_scores - group_scores.mean()) / (group_scores.std() + eps)
+        centred = group_scores - group_scores.mean()
+        advantages[members] = centred / (group_scores.std() + eps) if norm_by_std else centred
     return advantages
 
 

@@ -281,7 +281,8 @@ def compute_advantages(samples: list[Sample], ppo: PPOConfig) -> None:
     if ppo.advantage == "grpo":
         scores = torch.tensor([s.score for s in samples])
         groups = torch.tensor([s.group for s in samples])
-        unpad(samples, "advantages", algos.group_advantages(scores, groups)[:, None] * mask)
+        advantages = algos.group_advantages(scores, groups, norm_by_std=ppo.norm_adv_by_std_in_grpo)
+        unpad(samples, "advantages", advantages[:, None] * mask)
         return
     advantages, returns = _gae(samples, ppo)
     unpad(samples, "advantages", algos.masked_whiten(advantages, mask))
