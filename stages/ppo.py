@@ -354,8 +354,9 @@ class NonFiniteLoss(UserError):
 def update(models: Models, samples: list[Sample], shares: list[list[list[int]]], config: SPAConfig,
            step: int, in_update: bool = False) -> dict[str, float]:
     """``ppo_epochs`` passes of mini-batch updates (``shares``: each mini-batch's part per rank, from
-    `rank_shares`); returns token-weighted means of the loss terms over all ranks and the mean
-    gradient norms. With ``in_update`` (`scores_in_update`) the critic's forward passes give the
+    `rank_shares`), one optimizer step per network and mini-batch, every one against the same old
+    log-probs and values (the rollout policy's); returns token-weighted means of the loss terms over
+    all ranks, the mean gradient norms and each network's count of optimizer steps. With ``in_update`` (`scores_in_update`) the critic's forward passes give the
     values, then the advantages are computed, then the actor's give the old log-probs (unless the
     sampler's are used): the scores a separate pass would give, as neither network has stepped."""
     ppo, dist = config.ppo, models.dist
@@ -406,6 +407,7 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
     summed = dict(zip(keys, distributed.all_reduce_sum([totals[k] for k in keys], dist), strict=True))
     seen = ppo.ppo_epochs * sum(s.steps for s in samples)
     stats = {key: value / seen for key, value in summed.items()}
+    stats |= {f"{name}_optimizer_steps": len(values) for name, values in norms.items()}
     return stats | {f"{name}_grad_norm": sum(values) / len(values) for name, values in norms.items()}
 
 

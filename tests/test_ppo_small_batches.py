@@ -157,3 +157,50 @@ def test_the_std_switch_is_refused_beside_a_critic(tiny_model_dir, tmp_path):
                                         r"ppo.advantage=gae whitens over the batch") as info:
         ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.norm_adv_by_std_in_grpo=false"))
     assert "\n" not in str(info.value)
+
+
+# ---- several optimizer steps per PPO step ---------------------------------------------------------
+
+
+def test_mini_batches_and_epochs_step_several_times_against_the_rollout_policys_log_probs(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """4 kept episodes, ppo.mini_batch=2, ppo.ppo_epochs=2: 4 optimizer steps of each network, the
+    critic's then the actor's on each mini-batch. Every policy loss reads the old log-probs that the
+    pass before the first step wrote (the rollout policy's), bit for bit, while the actor it
+    compares them with has moved away from them after the first step."""
+    events, old, losses = [], {}, []
+    real_score_samples, real_step, real_backward = ppo.score_samples, ppo._step, ppo._actor_backward
+    real_loss = ppo.algos.policy_loss
+
+    def score_samples(models, samples, *args, **kwargs):
+        real_score_samples(models, samples, *args, **kwargs)
+        old.update({id(s): s.old_logprobs.clone() for s in samples})
+        events.append("scored")
+
+    def step(engine, name, *args, **kwargs):
+        events.append(name)
+        return real_step(engine, name, *args, **kwargs)
+
+    def actor_backward(models, batch, micro, *args):
+        losses.append({"rollout": torch.cat([old[id(s)] for s in micro])})
+        return real_backward(models, batch, micro, *args)
+
+    def policy_loss(logprobs, old_logprobs, *args, **kwargs):
+        losses[-1] |= {"old": old_logprobs.clone(), "new": logprobs.detach().clone()}
+        return real_loss(logprobs, old_logprobs, *args, **kwargs)
+
+    for name, wrapper in (("score_samples", score_samples), ("_step", step), ("_actor_backward", actor_backward)):
+        monkeypatch.setattr(ppo, name, wrapper)
+    monkeypatch.setattr(ppo.algos, "policy_loss", policy_loss)
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.zero_stage=0", "rollout.max_turns=1", "ppo.steps=1",
+                        "ppo.mini_batch=2", "ppo.ppo_epochs=2", "ppo.micro_batch_tokens=100000"))
+    [row] = read_metrics(out)
+    assert row["kept_episodes"] == 4 and row["actor_optimizer_steps"] == row["critic_optimizer_steps"] == 4
+    assert events == ["scored"] + ["critic", "actor"] * 4
+    assert len(losses) == 4  # one micro-batch a mini-batch
+    for loss in losses:
+        assert torch.equal(loss["old"], loss["rollout"])
+    drift = [float((loss["new"] - loss["old"]).abs().max()) for loss in losses]
+    # before the first step only the batch shapes differ (float rounding); after it the actor has moved
+    assert drift[0] < min(drift[1:]), drift

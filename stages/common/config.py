@@ -418,9 +418,14 @@ class PPOConfig(TrainingConfig):
         "comes from those whose rewards vary, all of them when fewer vary, and a step where none varies "
         "skips its update (its metrics row has kept_groups 0). The episodes kept then vary from step to "
         "step: mini-batches take mini_batch of them in turn, the last the rest."), paper="true")
-    mini_batch: int = setting(64, ge=1, help="Episodes per optimizer step; must divide the episodes kept per step.",
-                              paper="64")
-    ppo_epochs: int = setting(1, ge=1, help="Passes over the kept episodes per step.", paper="1")
+    mini_batch: int = setting(64, ge=1, help=(
+        "Episodes per optimizer step (verl's actor_rollout_ref.actor.ppo_mini_batch_size, counted in episodes "
+        "as RAGEN runs it); must divide the episodes kept per step. A smaller one makes several optimizer "
+        "steps of each network per PPO step on the same rollouts, every one against the rollout policy's "
+        "old log-probs (the metrics' actor_optimizer_steps)."), paper="64 (one step on the 64 kept)")
+    ppo_epochs: int = setting(1, ge=1, help=(
+        "Passes over the kept episodes per step (verl's ppo_epochs): ppo_epochs x kept / mini_batch "
+        "optimizer steps per network, in order (verl's shuffle: false)."), paper="1")
     loss_mask: Literal["assistant", "all"] = setting("assistant", help=(
         '"assistant": PPO steps on the model\'s own tokens (the paper); "all": on every token after the '
         "system prompt, environment text included (SPA's released config)."),
