@@ -11,8 +11,8 @@ that peak, and not wildly more:
 * at most `SLACK` (1.75) times it. The plan is an upper bound by construction: it counts the LM
   head's vocabulary-wide tensors at a whole chunk of positions (341 at this vocabulary), at 16
   bytes an entry in PPO's update (the most a checkpointed chunk's backward holds) and 8 in SFT's
-  step (its log-probs' backward turns the log-softmax into the gradient) with two head-sized
-  gradients beside them, where a row scoring fewer positions runs one chunk, not recomputed; and
+  step (its log-probs' backward turns the log-softmax into the gradient), with two head-sized
+  gradients beside them in both, where a row scoring fewer positions runs one chunk, not recomputed; and
   the layers' activations at a full micro-batch. The cases measure 1.1 to 1.45. A plan that counts
   the head at every scored position instead of a chunk's (3.2 times the PPO update's peak here),
   counts SFT's head at PPO's 16 bytes (2.05 for the unshared rows), leaves out its two head-sized

@@ -208,6 +208,25 @@ def test_ppo_plans_its_longest_episode_when_the_budget_is_smaller():
         config, {"ppo.micro_batch_tokens": 8192}), shape, H100)
 
 
+def test_ppo_and_sft_count_the_lm_heads_two_gradients_where_it_trains():
+    """PPO's update runs SFT's chunked LM head (`policy.head_logprobs`): a full fine-tune's backward
+    holds two head-sized weight gradients beside the activations (a chunk's and its sum with the
+    last), 2 x 151,936 x 1,536 x 2 bytes for Qwen2.5-1.5B in bf16 (0.87 GiB), in both; LoRA's
+    frozen head has none."""
+    config = load_config(SOKOBAN)
+    shape = model_shape(config.model.name)
+    assert (shape.vocab, shape.hidden, memory._weight_bytes(config)) == (151_936, 1536, 2)
+    head_gradients = 2 * 151_936 * 1536 * 2
+    for kind, head_bytes in (("ppo", memory.UPDATE_HEAD_BYTES), ("sft", memory.SFT_HEAD_BYTES)):
+        section = getattr(config, kind)
+        layers_and_head = memory.activations(shape, memory.micro_batch_size(kind, config),
+                                             section.gradient_checkpointing, head_bytes)
+        full = memory.plan_stage(kind, config, shape, 1, H100)
+        lora = memory.plan_stage(kind, with_overrides(config, {f"{kind}.lora_rank": 8}), shape, 1, H100)
+        assert full.parts["activations"] == layers_and_head + head_gradients, kind
+        assert lora.parts["activations"] == layers_and_head, kind
+
+
 def test_ppo_plans_the_deepspeed_config_it_runs(tmp_path):
     """A ppo.deepspeed_config whose "stage" is 3 runs ZeRO-3 (the file's stage wins): its lasting
     fp32 gradient partition and buckets are planned as ppo.zero_stage=3's are."""

@@ -43,9 +43,9 @@ of a micro-batch's, when fewer), in fp32: PPO's update holds up to 16 bytes a vo
 a checkpointed chunk's backward (the recomputed logits, the log-softmax, the logits' gradient and
 a temporary of the entropy's); SFT's step, whose log-probs need no entropy, 8 (the logits and the
 log-softmax, whose storage its backward turns into the logits' gradient:
-`ppo_algos.logprobs_from_logits`), with two LM-head-sized weight gradients beside them (a chunk's
-and its sum with the last); PPO's scoring pass, no gradients, 10 (bf16 logits, their fp32 copy and
-the log-softmax). `tests/test_memory_measured.py` checks the plain torch plans against the peak a
+`ppo_algos.logprobs_from_logits`); both with two LM-head-sized weight gradients beside them where
+the head trains (a chunk's and its sum with the last; not under LoRA); PPO's scoring pass, no
+gradients, 10 (bf16 logits, their fp32 copy and the log-softmax). `tests/test_memory_measured.py` checks the plain torch plans against the peak a
 CPU training step really allocates. A micro-batch
 holds at most `micro_batch_tokens` tokens and as many positions of the LM head (prefix sharing
 computes a shared token once but scores it once per row or episode: both are bounded), or one row or
@@ -198,6 +198,13 @@ def activations(shape: ModelShape, tokens: int, checkpointing: bool, head_bytes:
     return tokens * layers + head_positions(shape, tokens) * head_bytes * shape.vocab
 
 
+def head_gradients(shape: ModelShape, lora_rank: int, weight_bytes: int) -> int:
+    """The LM head's weight gradients that exist at once in the backward of a chunked head
+    (`head_positions`) that trains: a chunk's and its sum with the chunks before it (measured by
+    `tests/test_memory_measured.py`); none under LoRA, which freezes the head."""
+    return 0 if lora_rank else 2 * shape.vocab * shape.hidden * weight_bytes
+
+
 @dataclass
 class StagePlan:
     """One stage's memory on each of `gpus` GPUs of `capacity` bytes: its parts and its phases (each
@@ -312,8 +319,7 @@ def _sft(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
     trained, frozen = (s.lora_rank * shape.lora_dims, shape.params) if s.lora_rank else (shape.params, 0)
     states = model_states(trained, plan.gpus, zero, w, frozen, shape.largest_module_params)
     acts = activations(shape, micro_batch_size("sft", config), s.gradient_checkpointing, SFT_HEAD_BYTES, w)
-    if not s.lora_rank:  # a chunk's gradient of the LM head and its sum with the last: two at once, measured
-        acts += 2 * shape.vocab * shape.hidden * w
+    acts += head_gradients(shape, s.lora_rank, w)
     if zero is None and w == 2:
         acts += 2 * (trained + frozen)  # autocast's bf16 copies of the fp32 weights
     _record(plan, states, acts)
@@ -355,6 +361,7 @@ def _ppo(plan: StagePlan, config: SPAConfig, shape: ModelShape) -> None:
     plan.notes.append("holds " + ", ".join(models))
     tokens = micro_batch_size("ppo", config)
     acts = activations(shape, tokens, p.gradient_checkpointing, UPDATE_HEAD_BYTES, w)
+    acts += head_gradients(shape, p.lora_rank, w)  # the actor's: the critic has no LM head
     if zero is None and w == 2:
         acts += 2 * (shape.params + lora)  # autocast's bf16 copies of the actor's fp32 weights
     _record(plan, states, acts)
