@@ -35,7 +35,9 @@ the samples in `stages.training.ppo_samples`, the networks in `stages.training.p
    loss). Micro-batches
    hold at most ``ppo.micro_batch_tokens`` padded tokens and accumulate gradients; every loss is
    the ``ppo.loss_agg`` aggregate of the whole mini-batch (`stages.training.loss_agg`: a token
-   mean by default), so the micro-batching never changes the objective.
+   mean by default), so the micro-batching never changes the objective. The first
+   ``ppo.critic_warmup`` steps (verl's ``trainer.critic_warmup``) update the critic alone: no actor
+   pass, loss or step.
 
 Token-in/token-out: the sequences trained are the exact token ids the sampler consumed and
 produced (`Episode.token_ids`), never re-tokenized text. The loss mask (``ppo.loss_mask``) is the
@@ -206,6 +208,8 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
     if not ppo.norm_adv_by_std_in_grpo and ppo.advantage != "grpo":
         raise UserError(f"ppo.norm_adv_by_std_in_grpo=false changes GRPO's advantage, and ppo.advantage={ppo.advantage} "
                         "whitens over the batch instead; set ppo.advantage=grpo, or leave it true")
+    if ppo.critic_warmup:
+        _check_critic_warmup(ppo)
     if ppo.advantage == "grpo" and rollout.group_size < 2:
         raise UserError("ppo.advantage=grpo compares episodes within a group: rollout.group_size must be >= 2")
     kept_groups = algos.groups_to_keep(rollout.groups, ppo.filter_ratio)
@@ -217,6 +221,20 @@ def check_config(config: SPAConfig, world: int = 1) -> None:
             f"x rollout.group_size={rollout.group_size} = {kept}; pick a mini_batch that divides {kept}")
     if world > 1:
         _check_world(config, world)
+
+
+def _check_critic_warmup(ppo: PPOConfig) -> None:
+    """A critic warm-up needs a critic of its own, and steps left for the actor after it."""
+    warmup = f"ppo.critic_warmup={ppo.critic_warmup} trains the critic alone at first"
+    if ppo.advantage == "grpo":
+        raise UserError(f"{warmup}, and ppo.advantage=grpo has no critic; set ppo.critic_warmup=0, or "
+                        "ppo.advantage=gae / bilevel_gae")
+    if ppo.critic == "shared":
+        raise UserError(f"{warmup}, and ppo.critic=shared trains its value head through the actor's own weights; "
+                        "set ppo.critic=separate, or ppo.critic_warmup=0")
+    if ppo.critic_warmup >= ppo.steps:
+        raise UserError(f"{warmup}, and ppo.steps={ppo.steps} leaves the actor no step; set ppo.critic_warmup "
+                        f"below {ppo.steps}")
 
 
 def _check_world(config: SPAConfig, world: int) -> None:
@@ -362,13 +380,14 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
     ppo, dist = config.ppo, models.dist
     pad_id = models.tokenizer.pad_token_id
     # the critic first: with in_update the advantages need its values
-    engines = {"critic": models.critic_engine, "actor": models.actor_engine}
-    engines = {name: engine for name, engine in engines.items() if engine is not None}
+    networks = {"critic": models.critic_engine, "actor": models.actor_engine}
+    networks = {name: engine for name, engine in networks.items() if engine is not None}
+    norms: dict[str, list[float]] = {name: [] for name in networks}  # every network's, those at rest too
+    engines = {name: engine for name, engine in networks.items() if name != "actor" or actor_trains(ppo, step)}
     old_in_update = in_update and not _old_from_sampler(samples, ppo)
     for engine in engines.values():
         engine.module.train()
     totals: dict[str, float] = {}
-    norms: dict[str, list[float]] = {name: [] for name in engines}
     # the run's last optimizer steps let the moments go unwritten when final/ keeps no optimizer state
     last_update = step == ppo.steps and not ppo.final_state
     for epoch in range(ppo.ppo_epochs):
@@ -408,7 +427,7 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
     seen = ppo.ppo_epochs * sum(s.steps for s in samples)
     stats = {key: value / seen for key, value in summed.items()}
     stats |= {f"{name}_optimizer_steps": len(values) for name, values in norms.items()}
-    return stats | {f"{name}_grad_norm": sum(values) / len(values) for name, values in norms.items()}
+    return stats | {f"{name}_grad_norm": sum(values) / len(values) for name, values in norms.items() if values}
 
 
 def _actor_backward(models: Models, batch: dict, micro: list[Sample], weight: float, weights: torch.Tensor,
@@ -533,6 +552,12 @@ def keep_groups(episodes: list[Any], ppo: PPOConfig, dist: Dist) -> tuple[list[d
     return figures, [e for part in distributed.all_gather(mine, dist) for e in part]
 
 
+def actor_trains(ppo: PPOConfig, step: int) -> bool:
+    """Whether PPO step `step` (from 1) updates the actor: not in the first ``ppo.critic_warmup`` steps
+    (verl's ``trainer.critic_warmup``), which fit the critic to the starting policy's returns first."""
+    return step > ppo.critic_warmup
+
+
 def scores_in_update(models: Models, shares: list[list[list[int]]], ppo: PPOConfig) -> bool:
     """Whether the update's forward passes give the old log-probs and values (``ppo.score_in_update``):
     one epoch over one mini-batch, so each network's first forward is before its only step; not with
@@ -541,9 +566,10 @@ def scores_in_update(models: Models, shares: list[list[list[int]]], ppo: PPOConf
 
 
 def score_samples(models: Models, samples: list[Sample], shares: list[list[list[int]]], config: SPAConfig,
-                  timer: _Timer, in_update: bool = False) -> None:
+                  timer: _Timer, in_update: bool = False, with_actor: bool = True) -> None:
     """Old log-probs (and reference log-probs, values) of every sample: each rank scores its parts,
-    then every rank gets every score; with ``in_update`` only the reference's (the update gives the rest)."""
+    then every rank gets every score; with ``in_update`` only the reference's (the update gives the rest);
+    without ``with_actor`` (a critic warm-up step) only the values, as no policy loss reads the rest."""
     ppo, dist = config.ppo, models.dist
     device, pad_id = dist.device, models.tokenizer.pad_token_id
     parts = [[samples[i] for mini in shares for i in mini[rank]] for rank in range(dist.world)]
@@ -551,17 +577,18 @@ def score_samples(models: Models, samples: list[Sample], shares: list[list[list[
     fields = []
     models.actor_engine.module.eval()
     from_sampler = _old_from_sampler(samples, ppo)
-    with timer("old_logprobs"):
-        if from_sampler:
-            for sample in samples:  # every rank has every sample's: nothing to exchange
-                sample.old_logprobs = sample.sampler_logprobs
-        elif not models.shared_critic and not in_update:  # (a shared critic's pass below gives them)
-            fields.append("old_logprobs")
-            score(models.actor_engine, micros, ("old_logprobs",), device, pad_id)
-        if models.reference is not None:
-            fields.append("ref_logprobs")
-            with _autocast(models.actor_engine):
-                score(models.reference, micros, ("ref_logprobs",), device, pad_id)
+    if with_actor:
+        with timer("old_logprobs"):
+            if from_sampler:
+                for sample in samples:  # every rank has every sample's: nothing to exchange
+                    sample.old_logprobs = sample.sampler_logprobs
+            elif not models.shared_critic and not in_update:  # (a shared critic's pass below gives them)
+                fields.append("old_logprobs")
+                score(models.actor_engine, micros, ("old_logprobs",), device, pad_id)
+            if models.reference is not None:
+                fields.append("ref_logprobs")
+                with _autocast(models.actor_engine):
+                    score(models.reference, micros, ("ref_logprobs",), device, pad_id)
     with timer("values"):
         if models.shared_critic:
             scored = (None if from_sampler else "old_logprobs", None, "values")  # (log-probs, entropies, values)
@@ -657,7 +684,8 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
     if state_reward:
         stats |= {key: sum(f[key] for f in figures) / n for key in STATE_REWARD_METRICS}
     diffs = [(s.old_logprobs - s.sampler_logprobs)[s.sampled].abs() for s in samples
-             if s.sampler_logprobs is not None and s.old_logprobs is not s.sampler_logprobs]  # none: taken from it
+             if s.sampler_logprobs is not None and s.old_logprobs is not None  # none in a critic warm-up
+             and s.old_logprobs is not s.sampler_logprobs]  # none: taken from it
     if diffs:
         stats["logp_diff"] = float(torch.cat(diffs).mean())
     if samples and samples[0].values is not None:
@@ -811,11 +839,12 @@ def learn(models: Models, backend: Any, samples: list[Sample], config: SPAConfig
     update, then the new weights handed to the rollout engine; returns the update's figures."""
     ppo, dist = config.ppo, models.dist
     shares = rank_shares(samples, ppo.mini_batch, dist.world)
-    in_update = scores_in_update(models, shares, ppo)
+    trains = actor_trains(ppo, step)
+    in_update = trains and scores_in_update(models, shares, ppo)  # a warm-up step's critic scores in its own pass
     # 3. log-probs and values before the update (each rank its part, then all of them), unless
     # the update's own forward passes give them
-    bar.update(step - 1, f"step {step}: update on {len(samples)} episodes")
-    score_samples(models, samples, shares, config, timer, in_update)
+    bar.update(step - 1, f"step {step}: update on {len(samples)} episodes" + ("" if trains else ", critic alone"))
+    score_samples(models, samples, shares, config, timer, in_update, trains)
     # 4. advantages of the whole batch (in the update when it scores); 5. update (a vLLM engine on
     # a GPU sleeps meanwhile, leaving its memory to training), then hand the new weights to the
     # rollout engine, which wakes it

@@ -204,3 +204,44 @@ def test_mini_batches_and_epochs_step_several_times_against_the_rollout_policys_
     drift = [float((loss["new"] - loss["old"]).abs().max()) for loss in losses]
     # before the first step only the batch shapes differ (float rounding); after it the actor has moved
     assert drift[0] < min(drift[1:]), drift
+
+
+# ---- critic warm-up ---------------------------------------------------------------------------------
+
+
+def test_a_critic_warmup_step_moves_the_critic_and_leaves_the_actor_as_it_was(tiny_model_dir, tmp_path, monkeypatch):
+    """ppo.critic_warmup=1 of 2 steps: step 1 scores values only and steps the critic alone, so its
+    checkpoint is the starting actor bit for bit; step 2 trains both, with values the warm-up fitted."""
+    passes = []
+    real_score = ppo.score
+    monkeypatch.setattr(ppo, "score", lambda forward, micros, fields, *args, **kwargs: (
+        passes.append(fields), real_score(forward, micros, fields, *args, **kwargs)))
+    out = tmp_path / "run"
+    ppo.run(tiny_config(tiny_model_dir, out, "ppo.zero_stage=0", "rollout.max_turns=1", "ppo.critic_warmup=1",
+                        "ppo.kl_coef=0.1"))
+    warmup, trained = read_metrics(out)
+    assert (warmup["actor_optimizer_steps"], warmup["critic_optimizer_steps"]) == (0, 2)  # 4 episodes, mini_batch 2
+    assert (trained["actor_optimizer_steps"], trained["critic_optimizer_steps"]) == (2, 2)
+    for absent in ("pg_loss", "entropy", "kl_ref", "actor_grad_norm", "logp_diff", "seconds_old_logprobs"):
+        assert absent not in warmup and absent in trained, absent
+    assert warmup["value_loss"] > 0 and warmup["critic_grad_norm"] > 0
+    assert warmup["value_mean"] == 0.0 != trained["value_mean"]  # the zero-initialised head learned in the warm-up
+    # the warm-up's only pass is the critic's; then the actor's, the reference's and the critic's
+    assert passes == [("values",), ("old_logprobs",), ("ref_logprobs",), ("values",)]
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert same_weights(load_file(out / "step-1" / "model.safetensors"), initial)
+    assert not same_weights(load_file(out / "final" / "model.safetensors"), initial)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ppo.advantage=grpo"], (r"ppo.critic_warmup=1 trains the critic alone at first, and ppo.advantage=grpo "
+                              r"has no critic; set ppo.critic_warmup=0")),
+    (["ppo.critic=shared"], r"ppo.critic=shared trains its value head through the actor's own weights"),
+    (["ppo.steps=1"], r"ppo.steps=1 leaves the actor no step; set ppo.critic_warmup below 1"),
+])
+def test_a_critic_warmup_without_a_critic_of_its_own_or_steps_after_it_is_refused(tiny_model_dir, tmp_path,
+                                                                                   overrides, message):
+    with pytest.raises(UserError, match=message) as info:
+        ppo.run(tiny_config(tiny_model_dir, tmp_path / "run", "ppo.critic_warmup=1", *overrides))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()

@@ -383,6 +383,12 @@ class PPOConfig(TrainingConfig):
     steps: int = setting(1000, ge=1, help="PPO steps (one batch of rollouts each).", paper="1000")
     actor_lr: float = setting(1.0e-6, gt=0, help="The actor's constant AdamW learning rate.", paper="1e-6 (App. B)")
     critic_lr: float = setting(1.0e-5, gt=0, help="The critic's constant AdamW learning rate.", paper="1e-5 (App. B)")
+    critic_warmup: int = setting(0, ge=0, help=(
+        "The first N PPO steps update the critic alone (verl's trainer.critic_warmup): the actor keeps the "
+        "starting weights (no actor pass, loss or step) while the critic, whose value head starts at 0, "
+        "learns the returns of the starting policy, so that the actor's first advantages compare with a "
+        "fitted baseline. Needs a critic of its own (advantage gae or bilevel_gae, critic separate) and "
+        "fewer than steps. A warm-up step's metrics have actor_optimizer_steps 0."), paper="0")
     gamma: float = setting(1.0, ge=0, le=1, help="Token-level GAE discount; 1 and lam 1 give A_t = R - V_t.",
                            paper="1.0")
     lam: float = setting(1.0, ge=0, le=1, help="Token-level GAE lambda.", paper="1.0")
