@@ -144,7 +144,7 @@ def test_a_ppo_update_allocates_what_the_plan_says(tiny_model_dir, model, share,
     samples = shared_prefix_samples(2, 4, 100, 50, 60)
     assert memory.micro_batch_size("ppo", config) == 1024  # the budget, above the longest episode
     engines = [models.actor_engine.module, models.critic_engine.module]
-    measured = peak_bytes(lambda: ppo.update(models, samples, rank_shares(samples, 8, 1), config, 0), engines)
+    measured = peak_bytes(lambda: ppo.update(models, samples, rank_shares(samples, 8, 1), config, 1), engines)
     assert_planned(planned_update("ppo", config), measured)
 
 
