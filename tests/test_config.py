@@ -11,6 +11,7 @@ import yaml
 from stages.common import config_docs
 from stages.common.config import SPAConfig, TrainingConfig, load_config, to_dict, to_yaml
 from stages.common.errors import UserError
+from stages.training.engine import deepspeed_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -195,15 +196,30 @@ def test_yaml_is_loaded_safely(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("file_stage, setting, trained", [(3, "auto", 3), (1, 2, 1), (None, "auto", 0), (3, 0, 0)])
+@pytest.mark.parametrize("file_stage, setting, trained", [(3, "auto", 3), (1, 2, 1), (3, 0, 0)])
 def test_the_engine_stage_is_the_deepspeed_files_own_under_deepspeed(tmp_path, file_stage, setting, trained):
     """The engine keeps a user DeepSpeed file's stage (`engine.deepspeed_config`); what the run records
     and plans (a ZeRO-3 run's unsharded generator copy) must name that stage too. Plain torch (0)
     reads no file."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": file_stage}} if file_stage is not None else {}))
+    path.write_text(json.dumps({"zero_optimization": {"stage": file_stage}}))
     section = load_config(None, [f"ppo.zero_stage={setting}", f"ppo.deepspeed_config={path}"]).ppo
     assert section.engine_stage(on_cuda=True, processes=1) == trained
+    assert deepspeed_config(trained, False, 1.0, "cuda", "bf16", str(path))["zero_optimization"]["stage"] == file_stage
+
+
+@pytest.mark.parametrize("kind", ["sft", "ppo"])
+@pytest.mark.parametrize("contents", [{}, {"zero_optimization": {"overlap_comm": "auto"}}])
+@pytest.mark.parametrize("setting, trained", [("auto", 2), (1, 1), (3, 3)])
+def test_a_deepspeed_file_naming_no_stage_trains_the_settings_stage(tmp_path, kind, contents, setting, trained):
+    """A user DeepSpeed file without zero_optimization.stage leaves `zero_stage` in force: the stage
+    recorded and planned, and the one the engine writes into the file's settings (not DeepSpeed's
+    own default, 0)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(contents))
+    section = getattr(load_config(None, [f"{kind}.zero_stage={setting}", f"{kind}.deepspeed_config={path}"]), kind)
+    assert section.engine_stage(on_cuda=True, processes=1) == trained
+    assert deepspeed_config(trained, False, 1.0, "cuda", "bf16", str(path))["zero_optimization"]["stage"] == trained
 
 
 def test_an_unreadable_deepspeed_file_is_one_line(tmp_path):

@@ -239,6 +239,24 @@ def test_ppo_plans_the_deepspeed_config_it_runs(tmp_path):
     assert from_file.parts["buckets"] > 0
 
 
+@pytest.mark.parametrize("kind", ["sft", "ppo"])
+def test_a_deepspeed_config_naming_no_stage_plans_the_zero_stage_set(tmp_path, kind):
+    """A user DeepSpeed file without zero_optimization.stage plans ZeRO-2 on 4 GPUs as
+    `<kind>.zero_stage=2` does without the file (PPO: 39.4 GiB a GPU of 80; plain torch would plan
+    59.5)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"overlap_comm": "auto"}}))
+    shape = model_shape(load_config(SOKOBAN).model.name)
+    zero2 = load_config(SOKOBAN, [f"{kind}.zero_stage=2"])
+    without = memory.plan_stage(kind, zero2, shape, 4, 80 * GiB)
+    with_file = memory.plan_stage(kind, with_overrides(zero2, {f"{kind}.deepspeed_config": str(path)}), shape, 4,
+                                  80 * GiB)
+    assert with_file.parts == without.parts and with_file.phases == without.phases
+    assert with_file.parts["buckets"] > 0  # DeepSpeed's reduce buckets: ZeRO, not plain torch
+    if kind == "ppo":
+        assert round(with_file.need / GiB, 1) == 39.4
+
+
 # ---- the verdict and its line ---------------------------------------------------------------------
 
 

@@ -256,7 +256,8 @@ class TrainingConfig(_Section):
         paper="FSDP full sharding (ZeRO-3's equivalent)")
     deepspeed_config: str = setting("", help=(
         "Your own DeepSpeed JSON instead of configs/deepspeed/zero{2,3}.json, for DeepSpeed options spa does "
-        'not set ("auto" values are filled in from these settings).'))
+        'not set ("auto" values are filled in from these settings). The stage trained is its '
+        "zero_optimization.stage where it names one (unless zero_stage is 0, plain torch), else zero_stage's."))
     offload: bool = setting(False, help=(
         "Keep the optimizer state out of the memory that computes. On CUDA: in CPU memory (under ZeRO-3 the "
         "weights too): a larger model fits a GPU, at some speed: what lets a 3B model's PPO actor and critic "
@@ -299,8 +300,9 @@ class TrainingConfig(_Section):
 
     def engine_stage(self, on_cuda: bool, processes: int) -> int:
         """`zero_stage` as trained: "auto" is ZeRO-2 on CUDA or over several processes, plain torch (0)
-        for one process on the CPU; under DeepSpeed, your `deepspeed_config` file's stage, which the
-        engine keeps (DeepSpeed's default, 0, where the file names none)."""
+        for one process on the CPU; under DeepSpeed, your `deepspeed_config` file's stage where it
+        names one (the engine keeps it), else this one (the engine writes it into the file's
+        settings, `stages.training.engine.deepspeed_config`)."""
         stage = self.zero_stage if self.zero_stage != "auto" else 2 if on_cuda or processes > 1 else 0
         if stage == 0 or not self.deepspeed_config:
             return stage
@@ -312,7 +314,7 @@ class TrainingConfig(_Section):
             raise UserError(f"DeepSpeed config {self.deepspeed_config} does not exist") from None
         except (OSError, json.JSONDecodeError, AttributeError) as err:
             raise UserError(f"cannot read DeepSpeed config {self.deepspeed_config}: {err}") from None
-        return int(zero.get("stage", 0))
+        return int(zero.get("stage", stage))
 
 
 @dataclass

@@ -533,7 +533,7 @@ def _load_deepspeed_file(path: str, map_location: Any = None) -> Any:
 def deepspeed_config(stage: int, offload: bool, grad_clip: float, device: str, mixed: str | None,
                      path: str = "", world: int = 1) -> dict:
     """The DeepSpeed config: the user's JSON if given, else configs/deepspeed/zero{2,3}.json, with
-    every "auto" value filled from the stage settings.
+    every "auto" value filled from the stage settings, and `stage` unless the user's JSON names one.
 
     Memory on one GPU (`world` 1): there is nothing to communicate, so no overlapped communication
     (its spare buffers) and small buckets. bf16 micro-batch gradients are summed in fp32
@@ -550,7 +550,7 @@ def deepspeed_config(stage: int, offload: bool, grad_clip: float, device: str, m
         raise UserError(f"cannot read DeepSpeed config {source}: {err}") from None
     cuda = device.startswith("cuda")
     zero = config.setdefault("zero_optimization", {})
-    if not path:
+    if not path or "stage" not in zero:  # where a user's file names none, DeepSpeed's default would be 0
         zero["stage"] = stage
     if offload and cuda:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
