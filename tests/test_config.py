@@ -222,6 +222,18 @@ def test_a_deepspeed_file_naming_no_stage_trains_the_settings_stage(tmp_path, ki
     assert deepspeed_config(trained, False, 1.0, "cuda", "bf16", str(path))["zero_optimization"]["stage"] == trained
 
 
+@pytest.mark.parametrize("stage", ["auto", 4, "2", True])
+def test_a_deepspeed_file_naming_no_zero_stage_is_one_line(tmp_path, stage):
+    """DeepSpeed reads zero_optimization.stage as an integer 0-3 ("auto" is transformers' word, not
+    DeepSpeed's): anything else is refused before training, in one line."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    section = load_config(None, ["ppo.zero_stage=2", f"ppo.deepspeed_config={path}"]).ppo
+    with pytest.raises(UserError, match=r"zero_optimization.stage is .*; set it to 0, 1, 2 or 3, or leave it out "
+                                        r"to train at zero_stage 2$"):
+        section.engine_stage(on_cuda=True, processes=1)
+
+
 def test_an_unreadable_deepspeed_file_is_one_line(tmp_path):
     section = load_config(None, [f"ppo.deepspeed_config={tmp_path / 'missing.json'}"]).ppo
     with pytest.raises(UserError, match=r"^DeepSpeed config .*missing.json does not exist$"):

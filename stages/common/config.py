@@ -314,7 +314,11 @@ class TrainingConfig(_Section):
             raise UserError(f"DeepSpeed config {self.deepspeed_config} does not exist") from None
         except (OSError, json.JSONDecodeError, AttributeError) as err:
             raise UserError(f"cannot read DeepSpeed config {self.deepspeed_config}: {err}") from None
-        return int(zero.get("stage", stage))
+        named = zero.get("stage", stage)
+        if named not in (0, 1, 2, 3) or isinstance(named, bool):
+            raise UserError(f"DeepSpeed config {self.deepspeed_config}: zero_optimization.stage is {named!r}; "
+                            f"set it to 0, 1, 2 or 3, or leave it out to train at zero_stage {stage}")
+        return named
 
 
 @dataclass
