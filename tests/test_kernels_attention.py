@@ -39,18 +39,25 @@ def test_single_query_attention_equals_transformers_sdpa_under_grouped_heads(mas
                                sdpa_attention_forward(module, long_query, key, value, None, scaling=0.3)[0])
 
 
+def masked_prefill():
+    """A masked multi-token query over cached keys (the hf backend's prefill): 5 cached columns and
+    4 new ones, causal within the new tokens, 3 query heads a key head, the second row left-padded.
+    Returns (module, query, key, value, keep)."""
+    torch.manual_seed(0)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    key, value = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    keep = torch.ones(2, 1, 4, 9, dtype=torch.bool).tril(diagonal=5)
+    keep[1, ..., :2] = False
+    return module, torch.randn(2, 6, 4, 8), key, value, keep
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_masked_prefill_attention_equals_transformers_sdpa_under_grouped_heads(grad):
     """A masked multi-token query (the hf backend's prefill over cached keys, causal within the new
     tokens, a padded row) gives transformers' result: through SDPA's grouped heads outside autograd,
     through transformers itself under it."""
-    torch.manual_seed(0)
-    module = torch.nn.Module().eval()
-    module.num_key_value_groups, module.is_causal = 3, True
-    key, value = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
-    keep = torch.ones(2, 1, 4, 9, dtype=torch.bool).tril(diagonal=5)  # 5 cached columns, 4 new ones
-    keep[1, ..., :2] = False  # the second row is left-padded
-    query = torch.randn(2, 6, 4, 8)
+    module, query, key, value, keep = masked_prefill()
     with torch.set_grad_enabled(grad):
         ours, _ = grouped_query_sdpa(module, query, key, value, keep, scaling=0.3)
     stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
@@ -125,13 +132,7 @@ def test_a_prefill_over_cached_keys_without_onednn_is_sdpas(monkeypatch):
 
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", missing)
-    torch.manual_seed(0)
-    module = torch.nn.Module().eval()
-    module.num_key_value_groups, module.is_causal = 3, True
-    key, value = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
-    keep = torch.ones(2, 1, 4, 9, dtype=torch.bool).tril(diagonal=5)  # 5 cached columns, 4 new ones
-    keep[1, ..., :2] = False  # the second row is left-padded
-    query = torch.randn(2, 6, 4, 8)
+    module, query, key, value, keep = masked_prefill()
     with torch.no_grad():
         ours, _ = spa_sdpa(module, query, key, value, keep, scaling=0.3)
     stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
