@@ -1,5 +1,6 @@
-"""bf16 mixed training on the CPU: fp32 weights computing under bf16 autocast, what `model.dtype:
-bfloat16` trains with and what `auto` picks on a CPU with fast bf16. SFT's cross-entropy, PPO's
+"""bf16 on the CPU, what `model.dtype: bfloat16` runs and what `auto` picks on a CPU with fast bf16.
+
+Training: fp32 weights computing under bf16 autocast. SFT's cross-entropy, PPO's
 actor loss (log-probs and entropies) and its critic's value loss backpropagate through the engine
 as `spa sft` and `spa ppo` run them: the LM head over several chunks of positions (each
 checkpointed and recomputed in the backward), gradient checkpointing off and on, and oneDNN's
@@ -13,6 +14,9 @@ down) rounded in the forward (8) and their gradients in the backward (8); and th
 logits and their gradients (4): 2 * 16 + 4 = 36 roundings. The random model at this init is well
 conditioned (no step amplifies a relative error), so each parameter's gradient stays within 36u
 of fp32's in norm; a path that skipped autocast, or a wrong gradient, is far outside it.
+
+Generation (`spa eval`, `spa generate`, `spa probe`, PPO's rollouts): the model loaded in bf16,
+end to end through the hf backend (the bf16 engine's accuracy against fp32's: tests/test_backends.py).
 """
 
 from __future__ import annotations
@@ -152,3 +156,36 @@ def test_spa_ppo_trains_actor_and_critic_in_bf16(tiny_model_dir, tmp_path, monke
     (step,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert step["actor_grad_norm"] > 0 and step["critic_grad_norm"] > 0
     assert all(map(torch.isfinite, (torch.tensor(step["pg_loss"]), torch.tensor(step["value_loss"]))))
+
+
+# ---- the stages that generate, end to end in bf16 -----------------------------------------------------
+
+
+def bf16_config(model_dir, *sets):
+    from stages.common.config import load_config
+
+    return load_config(None, [f"model.name={model_dir}", "model.dtype=bfloat16", "quiet=true", "env.name=frozen_lake",
+                              "rollout.max_new_tokens=8", "rollout.max_turns=2", *sets])
+
+
+def test_spa_eval_and_spa_generate_play_in_bf16(tiny_model_dir, tmp_path):
+    import json
+
+    from stages import evaluate, generate
+
+    report = evaluate.run(bf16_config(tiny_model_dir, f"eval.out={tmp_path / 'eval.json'}", "eval.seeds=3",
+                                      "eval.n=2", "eval.pass_k=2"))
+    episodes = (tmp_path / "eval.trajectories.jsonl").read_text().splitlines()
+    assert len(episodes) == 6 and report["settings"]["n"] == 2
+    out = tmp_path / "generated.jsonl"
+    generate.run(bf16_config(tiny_model_dir, f"generate.out={out}", "rollout.groups=2", "rollout.group_size=2"))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and all(row["turns"] and row["turns"][0]["response"] is not None for row in rows)
+
+
+def test_spa_probe_scores_in_bf16(tiny_model_dir, tmp_path):
+    from stages import probe
+
+    report = probe.run(bf16_config(tiny_model_dir, "env.name=sokoban"), tmp_path / "probe.json", states=2)
+    assert report["settings"]["dtype"] == "bfloat16"
+    assert report["all"]["cases"] > 0 and report["changed"] is not None
