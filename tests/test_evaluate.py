@@ -133,7 +133,7 @@ def test_report_records_every_setting(scripted_report):
         "render_mode": "coords", "prompt_mode": "base", "seeds": 4, "first_seed": FIRST_SEED,
         "n": N, "k": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 400, "max_turns": 5,
         "max_actions_per_turn": 5, "max_actions_per_traj": 10, "history_window": None, "format_penalty": -0.1,
-        "sample_seed": 0, "state_ppl": False,
+        "sample_seed": 0, "state_ppl": False, "dtype": "float32",  # auto: fp32 under the tests (conftest)
     }
     assert {key: settings[key] for key in expected} == expected
     assert settings["versions"]["python"] and "spa_version" in settings
@@ -174,6 +174,9 @@ def test_an_interrupted_eval_resumes_and_other_settings_are_refused(tmp_path):
     report = evaluate.run(eval_config(tmp_path, "eval.resume=true"), backend=backend)
     assert report["metrics"]["episodes"] == 16 and report["metrics"]["pass@1"] == pytest.approx(7 / 16)
     assert len(path.read_text().splitlines()) == 16
+    # Another dtype samples other episodes: it may not continue them.
+    with pytest.raises(UserError, match=r"other settings \(dtype: 'float32' -> 'bfloat16'\)"):
+        evaluate.run(eval_config(tmp_path, "model.dtype=bfloat16", "eval.resume=true"), backend=ScriptedBackend({}))
     # A different temperature is another eval: it may not continue this one, nor replace it unasked.
     with pytest.raises(UserError, match=r"other settings \(temperature: 1.0 -> 0.5\)"):
         evaluate.run(eval_config(tmp_path, "rollout.temperature=0.5", "eval.resume=true"), backend=ScriptedBackend({}))
@@ -285,9 +288,9 @@ def test_compare_puts_arms_with_other_prompts_and_renders_side_by_side(tmp_path)
     world-model prompt); their reports compare, and the table says which is which."""
     from rich.console import Console
 
-    a = write_report(tmp_path, "a.json", 0.1, 0.2, prompt_mode="base", render_mode="text")
-    b = write_report(tmp_path, "b.json", 0.3, 0.4, prompt_mode="world_model", render_mode="coords")
-    rows = reports.compare_rows([a, b])
+    a = write_report(tmp_path, "a.json", 0.1, 0.2, prompt_mode="base", render_mode="text", dtype="float32")
+    b = write_report(tmp_path, "b.json", 0.3, 0.4, prompt_mode="world_model", render_mode="coords", dtype="bfloat16")
+    rows = reports.compare_rows([a, b])  # models in either dtype compare, as models do
     assert [(r["prompt_mode"], r["render_mode"]) for r in rows] == [("base", "text"), ("world_model", "coords")]
     console = Console(width=200, record=True)
     console.print(tables.compare([a, b]))

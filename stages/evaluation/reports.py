@@ -3,7 +3,8 @@
 A report (``spa eval``'s ``report.json``) holds ``settings`` (everything that produced it),
 ``metrics``, ``per_seed`` (``seed``, ``n``, ``successes``: enough to recompute every Pass@k) and the
 path of its trajectories. Two reports may be compared when their settings differ only in what
-played (`COMPARABLE_DESPITE`): the model, and the prompt and render mode it plays with, which is
+played (`COMPARABLE_DESPITE`): the model (and the dtype it computes in: bf16 and fp32 round, and so
+sample, differently), and the prompt and render mode it plays with, which is
 what the paper's arms differ in (Table 2: Vanilla RL on the raw grid, State Estimation RL with
 coordinates, VAGEN with the world-model prompt); the puzzles, samples and sampling must agree, so
 the paired differences are over the same puzzles.
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from envs import TextGameEnv
+from stages.agent.backends import backend_dtype
 from stages.common import artifacts
 from stages.common.config import SPAConfig
 from stages.common.errors import UserError
@@ -27,8 +29,8 @@ REPORT_VERSION = 1
 
 #: Settings that may differ between reports `compare` puts side by side: what played, and
 #: provenance that does not change what is measured.
-COMPARABLE_DESPITE = ("model", "prompt_mode", "render_mode", "backend", "versions", "spa_version", "sample_seed",
-                      "state_ppl")
+COMPARABLE_DESPITE = ("model", "dtype", "prompt_mode", "render_mode", "backend", "versions", "spa_version",
+                      "sample_seed", "state_ppl")
 
 
 def trajectories_path(out: str | Path) -> Path:
@@ -53,6 +55,7 @@ def report_settings(config: SPAConfig, env: TextGameEnv, n: int, k: int, model: 
     return {
         "model": model,
         "backend": rollout.backend,
+        "dtype": backend_dtype(config.model, rollout),
         "env": config.env.name,
         "env_options": dict(config.env.options),
         "render_mode": config.eval.render_mode,

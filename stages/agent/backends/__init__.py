@@ -91,12 +91,19 @@ def describe_player(model_config: ModelConfig, rollout: RolloutConfig, world: in
         return f"{backend.name} backend"
     if rollout.backend == "random":
         return "random actions, no model"
+    ranks = f" x {world} ranks" if world > 1 else ""
+    return (f"model {model_config.name}, {rollout.backend} backend on {backend_device(model_config, rollout)}"
+            f"{ranks} ({backend_dtype(model_config, rollout)})")
+
+
+def backend_dtype(model_config: ModelConfig, rollout: RolloutConfig) -> str | None:
+    """The dtype the model `make_backend` opens computes in ("float32", "bfloat16", ...), or None for
+    the random backend, which has no model."""
+    if rollout.backend == "random":
+        return None
     from stages.common.models import pick_dtype
 
-    device = backend_device(model_config, rollout)
-    dtype = str(pick_dtype(model_config.dtype, device)).removeprefix("torch.")
-    ranks = f" x {world} ranks" if world > 1 else ""
-    return f"model {model_config.name}, {rollout.backend} backend on {device}{ranks} ({dtype})"
+    return str(pick_dtype(model_config.dtype, backend_device(model_config, rollout))).removeprefix("torch.")
 
 
 def check_backend(model_config: ModelConfig, rollout: RolloutConfig) -> None:
