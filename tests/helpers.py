@@ -19,6 +19,19 @@ def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64, head
     return LlamaForCausalLM(config)
 
 
+def small_llama(vocab: int = 97, seed: int = 0):
+    """A 2-layer random Llama with a small vocabulary of its own (no tokenizer): short sums, so
+    tolerances derived from them stay tight."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
 def model_dir(model, tokenizer, path):
     """`model` with `tokenizer` saved as a Hugging Face directory at `path` (returned)."""
     model.save_pretrained(path)

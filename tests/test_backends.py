@@ -326,14 +326,21 @@ def test_max_new_tokens_gives_length(model, tokenizer):
     assert out.finish_reason == "length" and len(out.token_ids) == 7 and len(out.logprobs) == 7
 
 
-def test_rows_finishing_at_different_steps(model, tokenizer):
-    """Finished rows leave the batch (and keep their KV); later turns still match."""
-    rng = random.Random(8)
-    requests = [GenerationRequest(f"d{i}", random_ids(rng, 10 + 3 * i)) for i in range(6)]
+def rows_ending_at_various_steps(model, tokenizer, seed: int, key: str):
+    """Six requests whose greedy answers end at various steps (each of the first four rows' third to
+    sixth token made an end token), those end tokens, and a backend that drops finished rows early."""
+    rng = random.Random(seed)
+    requests = [GenerationRequest(f"{key}{i}", random_ids(rng, 10 + 3 * i)) for i in range(6)]
     free = [fresh(model, tokenizer, r, GREEDY).token_ids for r in requests]
-    eos = frozenset(ids[2 + i] for i, ids in enumerate(free[:4]))  # rows end at various steps
+    eos = frozenset(ids[2 + i] for i, ids in enumerate(free[:4]))
     backend = HFBackend(model, tokenizer, drop_fraction=0.1)
     backend.eos_ids = eos
+    return requests, eos, backend
+
+
+def test_rows_finishing_at_different_steps(model, tokenizer):
+    """Finished rows leave the batch (and keep their KV); later turns still match."""
+    requests, eos, backend = rows_ending_at_various_steps(model, tokenizer, seed=8, key="d")
     for turn in range(2):
         outputs = backend.generate(requests, GREEDY)
         check_cache_consistent(backend)
@@ -351,12 +358,7 @@ def test_rows_left_in_the_batch_hold_no_storage_of_the_rows_that_left(model, tok
     """Once finished rows leave the batch, the survivors decode on in slabs of their own rows: the
     block stored from them at the call's end (views of those slabs) holds storage for its rows only,
     not for every row the chunk started with; the outputs are those of one prompt at a time."""
-    rng = random.Random(10)
-    requests = [GenerationRequest(f"s{i}", random_ids(rng, 10 + 3 * i)) for i in range(6)]
-    free = [fresh(model, tokenizer, r, GREEDY).token_ids for r in requests]
-    eos = frozenset(ids[2 + i] for i, ids in enumerate(free[:4]))  # rows end at various steps
-    backend = HFBackend(model, tokenizer, drop_fraction=0.1)
-    backend.eos_ids = eos
+    requests, eos, backend = rows_ending_at_various_steps(model, tokenizer, seed=10, key="s")
     outputs = backend.generate(requests, GREEDY)
     ref = HFBackend(model, tokenizer, batch_size=1)
     ref.eos_ids = eos

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_llama
 
 from stages import sft
 from stages.common.kernels import linear
@@ -44,14 +45,9 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(policy_module, "HEAD_CHUNK_BYTES", CHUNK * 4 * VOCAB)
 
 
-def small_llama(checkpointing: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+def training_llama(checkpointing: bool):
+    """`helpers.small_llama` as the trainers set it up: no KV cache, optional gradient checkpointing."""
+    model = small_llama(VOCAB)
     model.config.use_cache = False
     if checkpointing:
         enable_checkpointing(model)
@@ -95,7 +91,7 @@ def gradients(network: str, checkpointing: bool, autocast_dtype) -> dict[str, to
     """The gradients one micro-batch's loss gives through a plain-torch engine (as `spa sft` /
     `spa ppo` run it with zero_stage 0) computing in `autocast_dtype` (None: fp32)."""
     wrap, loss_of = NETWORKS[network]
-    module = wrap(small_llama(checkpointing))
+    module = wrap(training_llama(checkpointing))
     engine = eng.TorchEngine(module, SETTINGS, "cpu", autocast_dtype=autocast_dtype)
     engine.backward(loss_of(engine))
     return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
@@ -122,7 +118,7 @@ def test_the_fixture_reaches_the_chunked_head_and_onednns_training_products(monk
         pytest.skip("this PyTorch has no oneDNN: its training products are not taken")
     products = []
     monkeypatch.setattr(linear, "mm_t", lambda *args, mm_t=linear.mm_t: products.append(1) or mm_t(*args))
-    lm = small_llama(checkpointing=False)
+    lm = training_llama(checkpointing=False)
     heads = []
     lm.get_output_embeddings().register_forward_hook(lambda module, args, out: heads.append(args[0].shape[0]))
     engine = eng.TorchEngine(StepPolicy(lm, 1.0), SETTINGS, "cpu")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import small_llama
 
 from stages import sft
 from stages.training import policy as policy_module
@@ -29,17 +30,6 @@ TOLERANCE = 4 * VOCAB * 2**-24
 def small_chunks(monkeypatch):
     monkeypatch.setattr(policy_module, "HEAD_CHUNK_BYTES", CHUNK * 4 * VOCAB)
     assert policy_module.head_chunk(VOCAB) == CHUNK
-
-
-def small_llama(seed: int = 0):
-    """A 2-layer random Llama with a 97-token vocabulary (short sums: see the module docstring)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
 
 
 def two_rows(seed: int = 1):
