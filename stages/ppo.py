@@ -374,9 +374,10 @@ def update(models: Models, samples: list[Sample], shares: list[list[list[int]]],
     """``ppo_epochs`` passes of mini-batch updates (``shares``: each mini-batch's part per rank, from
     `rank_shares`), one optimizer step per network and mini-batch, every one against the same old
     log-probs and values (the rollout policy's); returns token-weighted means of the loss terms over
-    all ranks, the mean gradient norms and each network's count of optimizer steps. With ``in_update`` (`scores_in_update`) the critic's forward passes give the
-    values, then the advantages are computed, then the actor's give the old log-probs (unless the
-    sampler's are used): the scores a separate pass would give, as neither network has stepped."""
+    all ranks, the mean gradient norms and each network's count of optimizer steps. With
+    ``in_update`` (`scores_in_update`) the critic's forward passes give the values, then the
+    advantages are computed, then the actor's give the old log-probs (unless the sampler's are
+    used): the scores a separate pass would give, as neither network has stepped."""
     ppo, dist = config.ppo, models.dist
     pad_id = models.tokenizer.pad_token_id
     # the critic first: with in_update the advantages need its values

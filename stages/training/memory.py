@@ -45,8 +45,8 @@ a temporary of the entropy's); SFT's step, whose log-probs need no entropy, 8 (t
 log-softmax, whose storage its backward turns into the logits' gradient:
 `ppo_algos.logprobs_from_logits`); both with two LM-head-sized weight gradients beside them where
 the head trains (a chunk's and its sum with the last; not under LoRA); PPO's scoring pass, no
-gradients, 10 (bf16 logits, their fp32 copy and the log-softmax). `tests/test_memory_measured.py` checks the plain torch plans against the peak a
-CPU training step really allocates. A micro-batch
+gradients, 10 (bf16 logits, their fp32 copy and the log-softmax). `tests/test_memory_measured.py`
+checks the plain torch plans against the peak a CPU training step really allocates. A micro-batch
 holds at most `micro_batch_tokens` tokens and as many positions of the LM head (prefix sharing
 computes a shared token once but scores it once per row or episode: both are bounded), or one row or
 episode longer than that alone (`micro_batch_size`): SFT's longest row is `sft.max_length` (one row
