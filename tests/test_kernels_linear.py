@@ -178,3 +178,16 @@ def test_training_through_onednn_skips_frozen_weights_and_autocast():
     assert net[0].weight.grad is None and net[0].bias.grad is not None and net[2].weight.grad is not None
     with torch.autocast("cpu", dtype=torch.bfloat16), onednn_training(net):
         assert all("forward" not in vars(m) for m in net)
+
+
+def test_training_through_onednn_takes_no_rows():
+    """A layer asked for no rows (the LM head of a prefix-tree node without trained tokens): an
+    empty output, and zero weight and bias gradients (oneDNN has no primitive for the weight
+    gradient's empty inner dimension: PyTorch's product computes it)."""
+    layer = nn.Linear(48, 40)
+    x = torch.randn(0, 48, requires_grad=True)
+    with onednn_training(layer):
+        out = layer(x)
+        (out.sum() + layer.weight.sum()).backward()
+    assert out.shape == (0, 40)
+    assert torch.equal(layer.weight.grad, torch.ones(40, 48)) and torch.equal(layer.bias.grad, torch.zeros(40))

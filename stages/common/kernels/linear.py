@@ -111,7 +111,9 @@ def _trainable_forward(module: nn.Linear):
         # Decided at each call, not at the with-block's entry: a checkpointed forward recomputes
         # inside the backward's with-block under the autocast its first run had, and must take the
         # path it took then (autocast's bf16 product), or its saved tensors differ in dtype.
-        if torch.is_autocast_enabled("cpu"):
+        # No rows (a prefix-tree node without trained tokens asks the LM head for none): oneDNN has
+        # no primitive for the weight gradient's empty inner dimension.
+        if torch.is_autocast_enabled("cpu") or x.numel() == 0:
             return nn.functional.linear(x, module.weight, module.bias)
         return _OneDNNLinear.apply(x, module.weight, module.bias)
 
