@@ -28,6 +28,8 @@ of the query's node, the key does not come after the query, and within the windo
 the tiles the mask empties. Its tile tables come from the node ranges (`TreeLayout.tile_counts`):
 `create_block_mask` would evaluate the mask densely, a T x T mask and two T x T int64 index
 tensors (4.8 GB at 16k tokens); the per-node SDPA masks are built only where SDPA runs.
+`node_attention` computes one node the same way when its ancestors' keys come from a KV cache
+(`stages.training.tree_passes`, which runs one node a pass).
 """
 
 from __future__ import annotations
@@ -300,15 +302,45 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
         if ancestors:
             k = torch.cat([keys[a] for a in ancestors] + [k], dim=2)
             v = torch.cat([values[a] for a in ancestors] + [v], dim=2)
-        context = k.shape[2] - q.shape[2]
-        for first, q_block in zip(range(0, q.shape[2], layout.query_block), q.split(layout.query_block, dim=2)):
-            seen = context + first + q_block.shape[2]  # the keys up to the block's last query
-            oldest = max(0, context + first - window + 1) if window is not None else 0  # the window's, for its first
-            blocks.append(F.scaled_dot_product_attention(
-                q_block, k[:, :, oldest:seen], v[:, :, oldest:seen],
-                attn_mask=mask[first:first + q_block.shape[2], oldest:seen],
-                dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+        blocks.extend(_context_blocks(q, k, v, mask, layout.query_block, scaling, dropout, window))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
+
+
+def node_attention(query, key, value, scaling=None, window: int | None = None):
+    """Attention of one node's queries (``[1, heads, n, dim]``) over the keys of its row up to
+    each of them: the cached keys of its ancestors, then its own (``key``/``value`` ``[1, kv_heads,
+    context + n, dim]``), causally over its own, within `window` where given; as `tree_attention`
+    computes a node with ancestors. Returns ``([1, n, heads, dim], None)``."""
+    import torch
+    import torch.nn.functional as F
+
+    context = key.shape[2] - query.shape[2]
+    if context == 0 and window is None:  # a root: causal attention over itself
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    queries = torch.arange(context, key.shape[2], device=query.device)[:, None]
+    keys = torch.arange(key.shape[2], device=query.device)[None, :]
+    mask = (keys <= queries) & (queries - keys < window) if window is not None else keys <= queries
+    blocks = _context_blocks(query, key, value, mask, QUERY_BLOCK, scaling, 0.0, window)
+    return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _context_blocks(q, k, v, mask, query_block: int, scaling, dropout: float, window: int | None) -> list:
+    """A node's queries over [context..., node] (`mask`: ``[queries, keys]``) in blocks of
+    `query_block` queries, each over the keys from its first query's window to its last query."""
+    import torch.nn.functional as F
+
+    context = k.shape[2] - q.shape[2]
+    blocks = []
+    for first, q_block in zip(range(0, q.shape[2], query_block), q.split(query_block, dim=2)):
+        seen = context + first + q_block.shape[2]  # the keys up to the block's last query
+        oldest = max(0, context + first - window + 1) if window is not None else 0  # the window's, for its first
+        blocks.append(F.scaled_dot_product_attention(
+            q_block, k[:, :, oldest:seen], v[:, :, oldest:seen],
+            attn_mask=mask[first:first + q_block.shape[2], oldest:seen],
+            dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]))
+    return blocks
 
 
 @cache

@@ -48,20 +48,23 @@ SCORE_EXTRAS = ("position_bias", "s_aux", "softcap", "sinks")
 
 
 def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-             packed_layout=None, shared_columns=None, **kwargs):
+             packed_layout=None, tree_node=False, shared_columns=None, **kwargs):
     """transformers' SDPA attention, computed node by node for a prefix-tree-packed sequence
-    (``packed_layout``, `stages.common.prefix_tree.tree_attention`), with the columns every row
-    shares read once for all rows (``shared_columns``, `shared_prefix_attention`) and without
-    copying the KV cache for a one-token query under grouped heads where transformers lacks that
-    itself (`grouped_query_sdpa`). Same outputs."""
+    (``packed_layout``, `stages.common.prefix_tree.tree_attention`) or for one node of such a tree
+    after its ancestors' cached keys (``tree_node``, `stages.common.prefix_tree.node_attention`),
+    with the columns every row shares read once for all rows (``shared_columns``,
+    `shared_prefix_attention`) and without copying the KV cache for a one-token query under
+    grouped heads where transformers lacks that itself (`grouped_query_sdpa`). Same outputs."""
     from transformers.integrations import sdpa_attention
 
-    if packed_layout is not None:
-        from stages.common.prefix_tree import tree_attention
+    if packed_layout is not None or tree_node:
+        from stages.common.prefix_tree import node_attention, tree_attention
 
         if any(kwargs.get(name) is not None for name in SCORE_EXTRAS):
             raise UserError("prefix-tree packing cannot apply this model's attention soft-capping, sinks or position "
                             "bias; set sft.share_prefix and ppo.share_prefix to false")
+        if tree_node:
+            return node_attention(query, key, value, scaling, window=kwargs.get("sliding_window"))
         return tree_attention(query, key, value, packed_layout, scaling, dropout if module.training else 0.0,
                               window=kwargs.get("sliding_window"))
     if (attention_mask is not None and query.device.type == "cpu" and not torch.is_grad_enabled()
