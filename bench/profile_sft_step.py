@@ -19,7 +19,9 @@ costs, Adam's state), then one step timed phase by phase and profiled with
 
 Variants: precision (fp32; bf16 = fp32 weights under bf16 autocast) x engine (DeepSpeed ZeRO-2,
 `sft.zero_stage=2`, or plain torch, `sft.zero_stage=0`, what ``auto`` picks for one CPU process) x
-prefix sharing (`sft.share_prefix`).
+prefix sharing (`sft.share_prefix`). A shared step on plain torch trains its micro-batches node by
+node, as `spa sft` does there (`stages.training.tree_passes`): forward and backward passes
+interleave, and their time is the phase ``node_passes``.
 Prints one JSON object: per variant the phases' seconds, the profile's split, the tokens the rows
 hold and the tokens computed, the rate of the linear layers' matmuls inside the step (their FLOPs:
 6 x the weights of the layers x the tokens they see, 8 x with the recomputed forward, the LM head
@@ -60,12 +62,13 @@ def category(op: str) -> str:
 def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, share: bool,
             checkpointing: bool) -> dict:
     """One variant's timed and profiled step (see the module docstring)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from stages.common.config import load_config
     from stages.sft import token_ce_sum
     from stages.training import engine as eng
-    from stages.training import trainable
+    from stages.training import trainable, tree_passes
     from stages.training.policy import StepPolicy
     from stages.training.sft_data import collate, rank_micro_batches, read_rows, step_plan, tokenize_rows
 
@@ -79,10 +82,11 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
         cfg.lr, tuple(cfg.betas), cfg.weight_decay, cfg.grad_clip, 10, cfg.warmup_ratio), False, "")
     examples = tokenize_rows(read_rows(data), tokenizer, cfg.max_length)[0]
     params = sum(p.numel() for p in model.parameters())
+    by_node = share and tree_passes.applies(dist.device, stage, checkpointing, model.config)  # as spa sft
     engine.module.train()
 
     def step(rows: list) -> dict:
-        seconds = dict.fromkeys(("plan", "collate", "forward", "backward", "optimizer"), 0.0)
+        seconds = dict.fromkeys(("plan", "collate", "forward", "backward", "node_passes", "optimizer"), 0.0)
         clock = time.perf_counter()
 
         def lap(phase: str) -> None:
@@ -96,6 +100,11 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
         trained = sum(row.trained for row in rows)
         lap("plan")
         for i, mb in enumerate(micro):
+            if by_node:
+                examples_of = [rows[u] for u in mb.rows]
+                tree_passes.backward(engine, examples_of, lambda r: torch.full(r.shape, 1.0 / trained), mb.weight)
+                lap("node_passes")
+                continue
             batch = collate([rows[u] for u in mb.rows], dist.device, share)
             lap("collate")
             ce = token_ce_sum(engine, batch)

@@ -9,7 +9,8 @@ network allows (`stages.common.spa_data`); each of its rows trains its response.
 
 Each epoch shuffles the rows with (seed, epoch) and cuts them into global batches of
 `global_batch` rows. One optimizer step runs this rank's micro-batches
-(`stages.training.sft_data`: the rows as one prefix tree, their common tokens computed once),
+(`stages.training.sft_data`: the rows as one prefix tree, their common tokens computed once; on
+a CPU with plain torch the tree trained node by node, `stages.training.tree_passes`),
 takes the token cross-entropy over the trained tokens (assistant turns: the whole `<think>` with
 the ground-truth `<observation>` and `<prediction>`, the `<answer>`, the end-of-turn token),
 aggregates it over the whole global batch as `sft.loss_agg` says (`stages.training.loss_agg`;
@@ -44,8 +45,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from stages.common import artifacts, distributed, rss, spa_data, tracking
@@ -53,7 +56,7 @@ from stages.common.config import SPAConfig, to_dict
 from stages.common.console import Console
 from stages.common.errors import UserError
 from stages.training import engine as eng
-from stages.training import loss_agg, memory, trainable
+from stages.training import loss_agg, memory, trainable, tree_passes
 from stages.training.checkpoints import RunDir, copy_checkpoint, save_hf_checkpoint
 from stages.training.sft_data import (
     DataStats,
@@ -211,6 +214,8 @@ class _Trainer:
             self.config.model.attn_implementation, self.dist.device, None)
         self.pack = cfg.packing if cfg.packing is not None else attn == "flash_attention_2"
         self.share = cfg.share_prefix and attn == "sdpa"  # the tree's attention is spa's SDPA
+        self.by_node = self.share and tree_passes.applies(self.dist.device, cfg.zero_stage, cfg.gradient_checkpointing,
+                                                          self.model.config)
         optim = eng.OptimSettings(cfg.lr, tuple(cfg.betas), cfg.weight_decay, cfg.grad_clip, self.total_steps,
                                   cfg.warmup_ratio)
         policy = StepPolicy(trainable.inner_lm(self.model), temperature=1.0)  # its log-probs: minus the loss
@@ -274,15 +279,20 @@ class _Trainer:
     def _train_step(self, step_rows: list[int], progress: Progress) -> dict:
         started = time.perf_counter()
         rows = [self.train[r] for r in step_rows]
-        plans = step_plan(rows, self.dist.world, self.cfg.micro_batch_tokens, self.pack, self.share)
-        micro = rank_micro_batches(rows, self.dist.rank, self.dist.world, self.cfg.micro_batch_tokens, self.pack,
-                                   self.share)
+        # Node passes hold one row's tokens whatever the tree's size: the step's rows make one tree.
+        budget = sys.maxsize if self.by_node else self.cfg.micro_batch_tokens
+        plans = step_plan(rows, self.dist.world, budget, self.pack, self.share)
+        micro = rank_micro_batches(rows, self.dist.rank, self.dist.world, budget, self.pack, self.share)
         trained = sum(row.trained for row in rows)  # of the whole global batch: every rank's rows
         tokens = sum(len(row) for row in rows)  # the rows' tokens, whether or not computed once
         normalizer = loss_agg.batch_normalizer(self.cfg.loss_agg, trained, len(rows), self.sequence_budget)
         lr, loss_sum = self.engine.lr, 0.0
         self.engine.module.train()
         for i, mb in enumerate(micro):
+            if self.by_node:  # the shared tokens computed once, the activations of one row held at once
+                loss_sum += tree_passes.backward(self.engine, [rows[u] for u in mb.rows], partial(
+                    loss_agg.token_weights, mode=self.cfg.loss_agg, normalizer=normalizer), mb.weight)
+                continue
             batch = collate([rows[u] for u in mb.rows], self.dist.device, self.share)
             ce = token_ce(self.engine, batch)
             weights = loss_agg.token_weights(batch["rows"], self.cfg.loss_agg, normalizer)

@@ -7,6 +7,7 @@ import itertools
 import json
 import random
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -694,6 +695,78 @@ def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_m
     for name, expected in grads_alone.items():
         floor = 1e-4 * expected.abs().max().item()
         torch.testing.assert_close(grads_together[name], expected, rtol=1e-4, atol=floor, msg=name)
+
+
+def test_node_passes_give_the_packed_trees_losses_and_gradients_one_row_at_a_time(tokenizer, tiny_model_dir):
+    """`tree_passes.backward`, what `spa sft` runs for a shared micro-batch on the CPU: over a tree
+    of a shared system prompt, two trajectories' turn rows and two rows of another system prompt,
+    under every `sft.loss_agg`, each parameter's gradient and the summed loss are those of the
+    whole tree in one pass (fp32; the tolerance of the test above); every forward pass holds at
+    most one row's tokens (its own and its ancestors' in the cache), and each token is computed
+    once."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.common import prefix_tree
+    from stages.common.kernels.attention import register_spa_sdpa
+    from stages.sft import token_ce
+    from stages.training import tree_passes
+
+    rng = random.Random(8)
+    rows = turn_rows(rng, "s0", 3) + turn_rows(rng, "s1", 2) + [{"messages": conversation(rng, 2)}]
+    for _ in range(2):
+        messages = conversation(rng, 2)
+        messages[0] = {"role": "system", "content": "You are a helpful assistant. Think, then answer."}
+        rows.append({"messages": messages})
+    examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
+    register_spa_sdpa()  # as load_model does
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    policy = StepPolicy(model, temperature=1.0)
+    assert tree_passes.applies("cpu", 0, False, model.config)
+    held: list[int] = []
+
+    class Engine:  # TorchEngine's calls, counting what each forward holds
+        def __call__(self, **inputs):
+            held.append(inputs["cache"].get_seq_length() + inputs["input_ids"].shape[1])
+            return policy(**inputs)
+
+        def backward(self, loss, last=True):
+            loss.backward()
+
+    for mode in loss_agg.LOSS_AGGS:
+        normalizer = loss_agg.batch_normalizer(mode, sum(e.trained for e in examples), len(examples), 2048)
+        model.zero_grad()
+        batch = collate(examples, "cpu", share=True)
+        ce = token_ce(policy, batch)
+        ((ce * loss_agg.token_weights(batch["rows"], mode, normalizer)).sum() * 0.5).backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        held.clear()
+        loss = tree_passes.backward(Engine(), examples, partial(loss_agg.token_weights, mode=mode,
+                                                                normalizer=normalizer), 0.5)
+        assert loss == pytest.approx(ce.sum().item() * 0.5, rel=1e-4)
+        for name, grad in expected.items():
+            torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4,
+                                       atol=1e-4 * grad.abs().max().item(), msg=f"{mode}: {name}")
+    packed = prefix_tree.pack([e.input_ids for e in examples])
+    assert len(held) == len(packed.nodes) > len(examples)  # one pass per node
+    assert max(held) == max(len(e) for e in examples)
+    assert sum(end - start for start, end, _ in packed.nodes) == len(packed) < 0.8 * sum(map(len, examples))
+
+
+def test_node_passes_apply_to_plain_torch_on_the_cpu_without_windows_or_checkpointing():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from stages.training import tree_passes
+
+    llama = LlamaConfig(num_hidden_layers=2)
+    assert tree_passes.applies("cpu", 0, False, llama)
+    assert not tree_passes.applies("cuda", 0, False, llama)
+    assert not any(tree_passes.applies("cpu", stage, False, llama) for stage in (1, 2, 3))
+    assert not tree_passes.applies("cpu", 0, True, llama)
+    assert tree_passes.applies("cpu", 0, False, Qwen2Config(num_hidden_layers=2))  # its window is off by default
+    assert not tree_passes.applies("cpu", 0, False, Qwen2Config(num_hidden_layers=2, use_sliding_window=True,
+                                                                max_window_layers=1))
+    assert not tree_passes.applies("cpu", 0, False, MistralConfig(num_hidden_layers=2, sliding_window=64))
 
 
 def test_a_step_has_the_gradient_of_its_loss_agg_however_rows_are_grouped(tokenizer, tiny_model_dir, tmp_path,

@@ -352,8 +352,10 @@ class SFTConfig(TrainingConfig):
         "Compute the tokens the rows of a micro-batch share (the system prompt and instruction every row "
         "begins with, the earlier turns a turn row repeats) once: one sequence laid out as a prefix tree, "
         "the same losses and gradients for fewer tokens; rows are grouped into micro-batches by their tokens "
-        "(stages/training/sft_data.py). SDPA attention only: with flash-attention 2 the rows are packed "
-        "unshared. false: for comparison."))
+        "(stages/training/sft_data.py). On a CPU with plain torch (zero_stage 0, no gradient checkpointing) "
+        "a step's rows make one tree trained node by node, holding one row's activations at a time, as "
+        "unshared rows do (stages/training/tree_passes.py). SDPA attention only: with flash-attention 2 "
+        "the rows are packed unshared. false: for comparison."))
     merge_turn_rows: bool = setting(True, help=(
         "With one row per turn (clean.unit: turn): keep a trajectory's rows together in one optimizer step, "
         "where share_prefix computes the turns they repeat once. false shuffles the rows one by one (SPA's "

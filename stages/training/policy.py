@@ -56,9 +56,10 @@ class StepPolicy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
                 cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False, with_values: bool = False,
-                position_ids: torch.Tensor | None = None, layout: Any = None):
-        """(log-probs, entropies or None, values or None) at the positions ``(rows, cols)``."""
-        inputs = _model_inputs(input_ids, attention_mask, position_ids, layout)
+                position_ids: torch.Tensor | None = None, layout: Any = None, cache: Any = None):
+        """(log-probs, entropies or None, values or None) at the positions ``(rows, cols)``; with a
+        ``cache`` (a transformers `Cache`) the tokens follow the ones it holds, and it gains theirs."""
+        inputs = _model_inputs(input_ids, attention_mask, position_ids, layout, cache)
         if self.plain_head:
             hidden = self.lm.base_model(**inputs).last_hidden_state[rows, cols]
             head = self.lm.get_output_embeddings()
@@ -136,11 +137,15 @@ def _scores(logits, targets, temperature, with_entropy):
     return algos.logprobs_from_logits(logits, targets), None
 
 
-def _model_inputs(input_ids, attention_mask, position_ids, layout) -> dict:
+def _model_inputs(input_ids, attention_mask, position_ids, layout, cache=None) -> dict:
     """The model call's arguments; a prefix-tree-packed batch's ``layout`` reaches its attention
-    as ``packed_layout`` (`stages.common.kernels.attention.spa_sdpa`)."""
+    as ``packed_layout`` (`stages.common.kernels.attention.spa_sdpa`); a ``cache`` holds the keys
+    and values of the tokens before these in their row (`stages.training.tree_passes`), which they
+    all see, as their attention knows by ``tree_node``."""
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-              "use_cache": False}
+              "use_cache": cache is not None, "past_key_values": cache}
+    if cache is not None:
+        inputs["tree_node"] = True
     return inputs | {"packed_layout": layout} if layout is not None else inputs
 
 

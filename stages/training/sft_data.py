@@ -39,7 +39,9 @@ Batching. The rows of a micro-batch become one sequence. With `share_prefix` (th
 spa's SDPA attention) they are laid out as a prefix tree (`stages.common.prefix_tree`): the system
 prompt and instruction every row begins with, and the turns a trajectory's turn rows repeat, are
 computed once, and no attention between rows is computed; micro-batches hold up to
-`micro_batch_tokens` computed tokens. Without it, under flash-attention 2, restarting
+`micro_batch_tokens` computed tokens (on a CPU with plain torch `spa sft` makes a step's rows one
+tree and trains it node by node, holding one row's activations at a time:
+`stages.training.tree_passes`). Without it, under flash-attention 2, restarting
 `position_ids` select the varlen kernel, which skips cross-row work, and rows are packed
 (first-fit decreasing) up to `micro_batch_tokens`; elsewhere each micro-batch is one row
 (`packing` overrides). Either way each row's trained tokens keep their row (``rows`` in
