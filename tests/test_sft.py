@@ -650,6 +650,27 @@ def test_epoch_steps_keep_a_trajectorys_rows_together():
     assert epoch_steps(7, 3, 5, 2, sources=list("abcdefg")) == epoch_steps(7, 3, 5, 2)
 
 
+def rows_under_two_system_prompts(tokenizer, tiny_model_dir, seed: int, plain_rows: int):
+    """Turn rows of two trajectories, `plain_rows` whole-trajectory rows and two rows under another
+    system prompt, tokenized; and the tiny model (spa's SDPA attention, as load_model sets it) with
+    its `StepPolicy`."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.common.kernels.attention import register_spa_sdpa
+
+    rng = random.Random(seed)
+    rows = turn_rows(rng, "s0", 3) + turn_rows(rng, "s1", 2) + [{"messages": conversation(rng, 2)}
+                                                                for _ in range(plain_rows)]
+    for _ in range(2):
+        messages = conversation(rng, 2)
+        messages[0] = {"role": "system", "content": "You are a helpful assistant. Think, then answer."}
+        rows.append({"messages": messages})
+    examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
+    register_spa_sdpa()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    return examples, model, StepPolicy(model, temperature=1.0)
+
+
 def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_model_dir):
     """Turn rows of two trajectories and whole-trajectory rows under two system prompts (the
     world-model and the base prompt's mix), in shared micro-batches: every row's summed loss and
@@ -659,21 +680,10 @@ def test_shared_prefix_gives_each_rows_loss_and_every_gradient(tokenizer, tiny_m
     fp32's unit roundoff 2**-24 over sums of up to ~512 terms (tokens, hidden size) bounds each
     sum's change by ~3e-5 of its terms' magnitude, over two layers: 1e-4 relative, with a floor of
     1e-4 x the largest entry for entries near 0."""
-    from transformers import AutoModelForCausalLM
 
-    from stages.common.kernels.attention import register_spa_sdpa
     from stages.sft import token_ce
 
-    rng = random.Random(4)
-    rows = turn_rows(rng, "s0", 3) + turn_rows(rng, "s1", 2) + [{"messages": conversation(rng, 2)} for _ in range(2)]
-    for _ in range(2):
-        messages = conversation(rng, 2)
-        messages[0] = {"role": "system", "content": "You are a helpful assistant. Think, then answer."}
-        rows.append({"messages": messages})
-    examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
-    register_spa_sdpa()  # as load_model does
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
-    policy = StepPolicy(model, temperature=1.0)
+    examples, model, policy = rows_under_two_system_prompts(tokenizer, tiny_model_dir, seed=4, plain_rows=2)
 
     def losses_and_grads(plan, share):
         model.zero_grad()
@@ -704,23 +714,12 @@ def test_node_passes_give_the_packed_trees_losses_and_gradients_one_row_at_a_tim
     whole tree in one pass (fp32; the tolerance of the test above); every forward pass holds at
     most one row's tokens (its own and its ancestors' in the cache), and each token is computed
     once."""
-    from transformers import AutoModelForCausalLM
 
     from stages.common import prefix_tree
-    from stages.common.kernels.attention import register_spa_sdpa
     from stages.sft import token_ce
     from stages.training import tree_passes
 
-    rng = random.Random(8)
-    rows = turn_rows(rng, "s0", 3) + turn_rows(rng, "s1", 2) + [{"messages": conversation(rng, 2)}]
-    for _ in range(2):
-        messages = conversation(rng, 2)
-        messages[0] = {"role": "system", "content": "You are a helpful assistant. Think, then answer."}
-        rows.append({"messages": messages})
-    examples, _ = tokenize_rows(rows, tokenizer, max_length=2048)
-    register_spa_sdpa()  # as load_model does
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
-    policy = StepPolicy(model, temperature=1.0)
+    examples, model, policy = rows_under_two_system_prompts(tokenizer, tiny_model_dir, seed=8, plain_rows=1)
     assert tree_passes.applies("cpu", 0, False, model.config)
     held: list[int] = []
 
