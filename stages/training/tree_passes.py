@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from stages.common import prefix_tree
+from stages.training.sft_data import collate
 
 
 def applies(device: str, zero_stage: int, gradient_checkpointing: bool, model_config) -> bool:
@@ -40,16 +40,19 @@ def backward(engine, examples: list, weights_of: Callable[[torch.Tensor], torch.
     node; the gradient is that of ``sum(token_ce * weights_of(rows)) * scale``, where ``rows``
     names each trained token's row (index into `examples`), as `sft_data.collate` does. Returns
     the summed cross-entropy times `scale`."""
-    packed = prefix_tree.pack([ex.input_ids for ex in examples])
-    targets = _targets_by_node(packed, examples)
+    batch = collate(examples, share=True)  # the packed tree, its trained positions, targets and rows
+    nodes = batch["layout"].nodes
+    node_of = torch.repeat_interleave(torch.arange(len(nodes)), torch.tensor(batch["layout"].sizes))[batch["keep"]]
     # The weights see every trained token of the micro-batch at once (a row's tokens lie in several nodes).
-    weights = weights_of(torch.cat([rows for _, _, rows in targets])).split([len(rows) for _, _, rows in targets])
-    children: list[list[int]] = [[] for _ in packed.nodes]
-    for node, (_, _, parent) in enumerate(packed.nodes):
+    weights = weights_of(batch["rows"])
+    targets = [(batch["keep"][node_of == n] - start, batch["targets"][node_of == n], weights[node_of == n])
+               for n, (start, _, _) in enumerate(nodes)]
+    children: list[list[int]] = [[] for _ in nodes]
+    for node, (_, _, parent) in enumerate(nodes):
         if parent >= 0:
             children[parent].append(node)
     needed = [len(cols) > 0 for cols, _, _ in targets]  # the node or a descendant has trained tokens
-    for node in reversed(range(len(packed.nodes))):  # depth first: descendants come after their node
+    for node in reversed(range(len(nodes))):  # depth first: descendants come after their node
         needed[node] = needed[node] or any(needed[c] for c in children[node])
     loss = 0.0
 
@@ -57,13 +60,13 @@ def backward(engine, examples: list, weights_of: Callable[[torch.Tensor], torch.
         nonlocal loss
         from transformers import DynamicCache
 
-        start, end, _ = packed.nodes[node]
-        cols, ids, _ = targets[node]
+        start, end, _ = nodes[node]
+        cols, ids, node_weights = targets[node]
         cache = DynamicCache(ddp_cache_data=context) if context else DynamicCache()
         past = cache.get_seq_length()
-        logprobs, _, _ = engine(input_ids=torch.tensor([packed.ids[start:end]]), attention_mask=None,
+        logprobs, _, _ = engine(input_ids=batch["input_ids"][:, start:end], attention_mask=None,
                                 rows=torch.zeros_like(cols), cols=cols, targets=ids,
-                                position_ids=torch.tensor([packed.positions[start:end]]), cache=cache)
+                                position_ids=batch["position_ids"][:, start:end], cache=cache)
         own = [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in cache.layers]
         del cache
         kids = [child for child in children[node] if needed[child]]
@@ -75,7 +78,7 @@ def backward(engine, examples: list, weights_of: Callable[[torch.Tensor], torch.
                 visit(child, path)
             del path
         ce = -logprobs
-        total = (ce * weights[node]).sum() * scale
+        total = (ce * node_weights).sum() * scale
         for (k, v), (leaf_k, leaf_v) in zip(own, leaves):  # no leaves: no descendants
             if leaf_k.grad is not None:  # what the descendants' losses ask of this node's keys and values
                 total = total + (k * leaf_k.grad).sum() + (v * leaf_v.grad).sum()
@@ -83,25 +86,8 @@ def backward(engine, examples: list, weights_of: Callable[[torch.Tensor], torch.
             engine.backward(total)
         loss += ce.sum().item() * scale
 
-    for root, (_, _, parent) in enumerate(packed.nodes):
+    for root, (_, _, parent) in enumerate(nodes):
         if parent < 0 and needed[root]:
             visit(root, [])
     return loss
 
-
-def _targets_by_node(packed: prefix_tree.PackedRows, examples: list) -> list[tuple[torch.Tensor, ...]]:
-    """Per node, the trained tokens whose logits its tokens give: (the positions within the node,
-    the target ids, the rows), in `collate`'s order within the node."""
-    node_of = [0] * len(packed)
-    for node, (start, end, _) in enumerate(packed.nodes):
-        node_of[start:end] = [node] * (end - start)
-    found: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in packed.nodes]
-    for r, (ex, where) in enumerate(zip(examples, packed.where, strict=True)):
-        for t in range(1, len(ex)):
-            if ex.mask[t]:
-                at = where[t - 1]
-                cols, ids, rows = found[node_of[at]]
-                cols.append(at - packed.nodes[node_of[at]][0])
-                ids.append(ex.input_ids[t])
-                rows.append(r)
-    return [tuple(torch.tensor(x, dtype=torch.long) for x in lists) for lists in found]
