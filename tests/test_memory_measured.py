@@ -22,6 +22,7 @@ that peak, and not wildly more:
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -44,6 +45,7 @@ def peak_bytes(run, modules) -> int:
     buffers (held before it) counted."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for module in modules for t in [*module.parameters(), *module.buffers()]}
+    gc.collect()  # garbage of earlier work freed inside the run would count against the step's peak
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]

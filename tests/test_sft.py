@@ -439,6 +439,22 @@ def test_a_finished_run_leaves_no_model_behind(data, tiny_model_dir, tmp_path):
     assert live_modules() == before
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_a_finished_run_frees_its_model_without_the_cycle_collector(share, data, tiny_model_dir, tmp_path):
+    """Plain torch, rows alone or node by node: nothing of the run is left in a reference cycle, which
+    would hold the model, its gradients and optimizer state until Python's collector ran (in
+    `spa pipeline`, into PPO)."""
+    import gc
+
+    before = live_modules()
+    gc.disable()
+    try:
+        sft.run(make_config(data, tiny_model_dir, tmp_path / "run", share_prefix=share))
+        assert live_modules(collect=False) == before
+    finally:
+        gc.enable()
+
+
 def test_bfloat16_on_the_cpu_trains_fp32_weights_under_autocast(data, tiny_model_dir, tmp_path):
     """model.dtype=bfloat16 on the CPU computes in bf16 over fp32 weights, with plain torch and with
     DeepSpeed alike (DeepSpeed's own bf16 mode is used on CUDA only; see stages/engine.py)."""

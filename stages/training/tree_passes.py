@@ -40,54 +40,64 @@ def backward(engine, examples: list, weights_of: Callable[[torch.Tensor], torch.
     node; the gradient is that of ``sum(token_ce * weights_of(rows)) * scale``, where ``rows``
     names each trained token's row (index into `examples`), as `sft_data.collate` does. Returns
     the summed cross-entropy times `scale`."""
-    batch = collate(examples, share=True)  # the packed tree, its trained positions, targets and rows
-    nodes = batch["layout"].nodes
-    node_of = torch.repeat_interleave(torch.arange(len(nodes)), torch.tensor(batch["layout"].sizes))[batch["keep"]]
-    # The weights see every trained token of the micro-batch at once (a row's tokens lie in several nodes).
-    weights = weights_of(batch["rows"])
-    targets = [(batch["keep"][node_of == n] - start, batch["targets"][node_of == n], weights[node_of == n])
-               for n, (start, _, _) in enumerate(nodes)]
-    children: list[list[int]] = [[] for _ in nodes]
-    for node, (_, _, parent) in enumerate(nodes):
-        if parent >= 0:
-            children[parent].append(node)
-    needed = [len(cols) > 0 for cols, _, _ in targets]  # the node or a descendant has trained tokens
-    for node in reversed(range(len(nodes))):  # depth first: descendants come after their node
-        needed[node] = needed[node] or any(needed[c] for c in children[node])
-    loss = 0.0
+    return _Walk(engine, collate(examples, share=True), weights_of, scale).run()
 
-    def visit(node: int, context: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        nonlocal loss
+
+class _Walk:
+    """One micro-batch's depth-first walk. A class rather than a recursive closure: a closure that
+    calls itself is a reference cycle, which would keep the engine (weights, gradients, optimizer
+    state) alive after training until Python's cycle collector happened to run."""
+
+    def __init__(self, engine, batch: dict, weights_of: Callable[[torch.Tensor], torch.Tensor], scale: float):
+        self.engine, self.scale = engine, scale
+        self.batch = batch  # the packed tree, its trained positions, targets and rows (`sft_data.collate`)
+        self.nodes = batch["layout"].nodes
+        node_of = torch.repeat_interleave(torch.arange(len(self.nodes)),
+                                          torch.tensor(batch["layout"].sizes))[batch["keep"]]
+        # The weights see every trained token of the micro-batch at once (a row's tokens lie in several nodes).
+        weights = weights_of(batch["rows"])
+        self.targets = [(batch["keep"][node_of == n] - start, batch["targets"][node_of == n], weights[node_of == n])
+                        for n, (start, _, _) in enumerate(self.nodes)]
+        self.children: list[list[int]] = [[] for _ in self.nodes]
+        for node, (_, _, parent) in enumerate(self.nodes):
+            if parent >= 0:
+                self.children[parent].append(node)
+        self.needed = [len(cols) > 0 for cols, _, _ in self.targets]  # the node or a descendant has trained tokens
+        for node in reversed(range(len(self.nodes))):  # depth first: descendants come after their node
+            self.needed[node] = self.needed[node] or any(self.needed[c] for c in self.children[node])
+        self.loss = 0.0
+
+    def run(self) -> float:
+        for root, (_, _, parent) in enumerate(self.nodes):
+            if parent < 0 and self.needed[root]:
+                self.visit(root, [])
+        return self.loss
+
+    def visit(self, node: int, context: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         from transformers import DynamicCache
 
-        start, end, _ = nodes[node]
-        cols, ids, node_weights = targets[node]
+        start, end, _ = self.nodes[node]
+        cols, ids, node_weights = self.targets[node]
         cache = DynamicCache(ddp_cache_data=context) if context else DynamicCache()
         past = cache.get_seq_length()
-        logprobs, _, _ = engine(input_ids=batch["input_ids"][:, start:end], attention_mask=None,
-                                rows=torch.zeros_like(cols), cols=cols, targets=ids,
-                                position_ids=batch["position_ids"][:, start:end], cache=cache)
+        logprobs, _, _ = self.engine(input_ids=self.batch["input_ids"][:, start:end], attention_mask=None,
+                                     rows=torch.zeros_like(cols), cols=cols, targets=ids,
+                                     position_ids=self.batch["position_ids"][:, start:end], cache=cache)
         own = [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in cache.layers]
         del cache
-        kids = [child for child in children[node] if needed[child]]
+        kids = [child for child in self.children[node] if self.needed[child]]
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in own] if kids else []
         if kids:
             path = [(torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
                     for (pk, pv), (k, v) in zip(context, leaves, strict=True)] if context else leaves
             for child in kids:
-                visit(child, path)
+                self.visit(child, path)
             del path
         ce = -logprobs
-        total = (ce * node_weights).sum() * scale
+        total = (ce * node_weights).sum() * self.scale
         for (k, v), (leaf_k, leaf_v) in zip(own, leaves):  # no leaves: no descendants
             if leaf_k.grad is not None:  # what the descendants' losses ask of this node's keys and values
                 total = total + (k * leaf_k.grad).sum() + (v * leaf_v.grad).sum()
         if total.requires_grad:
-            engine.backward(total)
-        loss += ce.sum().item() * scale
-
-    for root, (_, _, parent) in enumerate(nodes):
-        if parent < 0 and needed[root]:
-            visit(root, [])
-    return loss
-
+            self.engine.backward(total)
+        self.loss += ce.sum().item() * self.scale
