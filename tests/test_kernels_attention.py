@@ -164,3 +164,33 @@ def test_grouped_heads_decode_as_with_eager_attention():
     assert torch.equal(runs["sdpa"].sequences, runs["eager"].sequences)
     torch.testing.assert_close(torch.stack(runs["sdpa"].scores), torch.stack(runs["eager"].scores),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("context", "length", "kv_heads"), [(300, 270, 2), (7, 5, 6), (300, 1, 2)])
+def test_context_then_causal_attention_equals_the_masked_softmax(dtype, context, length, kv_heads):
+    """A tree node's queries over its ancestors' keys (all seen) and its own (causally): outputs and
+    the gradients of queries, keys and values against SDPA in float64 under the dense mask, on the
+    same (rounded) inputs, 6 query heads."""
+    from stages.common.kernels.attention import context_then_causal_attention
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype)
+    query = torch.rand(1, 6, length, 16, dtype=dtype) * 2 - 1  # |x| <= 1: every output and term is O(1)
+    key, value = (torch.rand(1, kv_heads, context + length, 16, dtype=dtype) * 2 - 1 for _ in range(2))
+    weights = torch.rand(1, 6, length, 16, dtype=dtype) * 2 - 1
+    inputs = [x.requires_grad_() for x in (query, key, value)]
+    ours = context_then_causal_attention(*inputs, 0.5)
+    ours_grads = torch.autograd.grad(ours, inputs, weights)
+    exact = [x.detach().double().requires_grad_() for x in inputs]
+    mask = torch.arange(context + length)[None, :] <= torch.arange(context, context + length)[:, None]
+    stock = torch.nn.functional.scaled_dot_product_attention(*exact, attn_mask=mask, scale=0.5, enable_gqa=True)
+    stock_grads = torch.autograd.grad(stock, exact, weights.double())
+    # float32: sums of up to 570 terms, each rounded (eps 1.2e-7), error ~sqrt(570) eps << 1e-5 of
+    # the result's norm. bfloat16 (eps 7.8e-3): each kernel product rounds its two operands and its
+    # result (3 half-ulps), the merge its result once more: 4 half-ulps, 2 eps of the norm.
+    bound = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(torch.bfloat16).eps
+    assert ours.dtype == dtype and ours.shape == stock.shape
+    for name, a, b in zip(["out", "query", "key", "value"], [ours, *ours_grads], [stock, *stock_grads], strict=True):
+        error = (a.double() - b).norm() / b.norm()
+        assert error <= bound, f"{name}: relative error {error:.2e} > {bound:.2e}"

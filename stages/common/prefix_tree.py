@@ -18,8 +18,11 @@ says its own window (transformers passes ``sliding_window``), so the mask is per
 
 `tree_attention` computes that attention node by node with SDPA: a root causally over itself; any
 other node's queries over [ancestors..., node], seeing the ancestors in full and the node causally
-(a window cuts both). SDPA computes every block of a mask it is given, so a node's queries go in
-blocks of `TreeLayout.query_block`, each over the keys from its first query's window to its own
+(a window cuts both). On a CPU without a window or dropout, that is
+`stages.common.kernels.attention.context_then_causal_attention`: SDPA's kernel over the ancestors,
+then causally over the node, merged, with no mask at all. Otherwise SDPA takes the node's mask;
+it computes every block of a mask it is given, so a node's queries go in blocks of
+`TreeLayout.query_block`, each over the keys from its first query's window to its own
 last query: the key blocks past the diagonal, empty under the causal mask, are never computed (the
 cost of the tree's attention is then within one block's width of the causal half it needs, as for
 unpacked rows). On CUDA, where many small nodes would mean many small kernels, it is one compiled
@@ -281,6 +284,8 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
     import torch
     import torch.nn.functional as F
 
+    from stages.common.kernels.attention import context_then_causal_attention
+
     gqa = query.shape[1] != key.shape[1]
     if flex is None:
         flex = query.is_cuda and not dropout
@@ -302,6 +307,9 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
         if ancestors:
             k = torch.cat([keys[a] for a in ancestors] + [k], dim=2)
             v = torch.cat([values[a] for a in ancestors] + [v], dim=2)
+        if window is None and not dropout and q.device.type == "cpu":
+            blocks.append(context_then_causal_attention(q, k, v, scaling))
+            continue
         blocks.extend(_context_blocks(q, k, v, mask, layout.query_block, scaling, dropout, window))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
@@ -314,11 +322,15 @@ def node_attention(query, key, value, scaling=None, window: int | None = None):
     import torch
     import torch.nn.functional as F
 
+    from stages.common.kernels.attention import context_then_causal_attention
+
     context = key.shape[2] - query.shape[2]
     if context == 0 and window is None:  # a root: causal attention over itself
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
+    if window is None and query.device.type == "cpu":
+        return context_then_causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
     queries = torch.arange(context, key.shape[2], device=query.device)[:, None]
     keys = torch.arange(key.shape[2], device=query.device)[None, :]
     mask = (keys <= queries) & (queries - keys < window) if window is not None else keys <= queries

@@ -197,6 +197,50 @@ def onednn_masked_attention(query, key, value, attention_mask, scaling: float | 
     return out.view(rows, heads, q, dim).transpose(1, 2).contiguous()
 
 
+class _ContextThenCausal(torch.autograd.Function):
+    """`context_then_causal_attention`'s forward and backward (see there)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, context: int, scale: float | None):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        past_out, past_lse = flash(query, key[:, :, :context], value[:, :, :context], scale=scale)
+        own_out, own_lse = flash(query, key[:, :, context:], value[:, :, context:], is_causal=True, scale=scale)
+        lse = torch.logaddexp(past_lse, own_lse)  # one softmax over both parts, in float32 (the lse's dtype)
+        out = (past_out * (past_lse - lse).exp_().unsqueeze(-1)).add_(own_out * (own_lse - lse).exp_().unsqueeze(-1))
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.context, ctx.scale = context, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        query, key, value, out, lse = ctx.saved_tensors
+        grad_out, context = grad_out.contiguous(), ctx.context
+        # Each part's gradients under the whole softmax: its probabilities are exp(score - lse) with
+        # the merged lse, and the softmax's correction term is rowsum(grad_out * out) of the merged out.
+        q_past, k_past, v_past = backward(grad_out, query, key[:, :, :context], value[:, :, :context], out, lse,
+                                          0.0, False, scale=ctx.scale)
+        q_own, k_own, v_own = backward(grad_out, query, key[:, :, context:], value[:, :, context:], out, lse,
+                                       0.0, True, scale=ctx.scale)
+        return q_past.add_(q_own), torch.cat([k_past, k_own], dim=2), torch.cat([v_past, v_own], dim=2), None, None
+
+
+def context_then_causal_attention(query, key, value, scale: float | None = None):
+    """Attention of ``query`` ``[batch, heads, n, dim]`` over ``key``/``value`` ``[batch, kv_heads,
+    context + n, dim]`` where every query sees all ``context`` first keys and its own keys causally
+    (a prefix-tree node after its ancestors' keys, `stages.common.prefix_tree`). CPU only; returns
+    ``[batch, heads, n, dim]``, differentiable.
+
+    SDPA's CPU kernel reads causality from the top left, so this mask (causal from the bottom right)
+    would have to be given as a tensor, which it converts to an additive float mask [n, context + n]
+    and keeps for the backward, beside contiguous copies of the keys it sees. Instead the kernel runs
+    twice without a mask, over the context and causally over the node's own keys, and the two
+    results are merged by their log-sum-exps (as in `shared_prefix_attention`); the backward runs
+    the kernel's own backward over each part against the merged output and log-sum-exp."""
+    return _ContextThenCausal.apply(query, key, value, key.shape[2] - query.shape[2], scale)
+
+
 def register_spa_sdpa() -> None:
     """Make `spa_sdpa` the attention function of every model loaded with ``attn_implementation="sdpa"``
     (and of one already loaded so, from its next call)."""
