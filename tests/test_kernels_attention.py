@@ -167,7 +167,7 @@ def test_grouped_heads_decode_as_with_eager_attention():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("context", "length", "kv_heads"), [(300, 270, 2), (7, 5, 6), (300, 1, 2)])
+@pytest.mark.parametrize(("context", "length", "kv_heads"), [(300, 270, 2), (7, 5, 6), (300, 1, 2), (0, 9, 2)])
 def test_context_then_causal_attention_equals_the_masked_softmax(dtype, context, length, kv_heads):
     """A tree node's queries over its ancestors' keys (all seen) and its own (causally): outputs and
     the gradients of queries, keys and values against SDPA in float64 under the dense mask, on the
@@ -194,3 +194,18 @@ def test_context_then_causal_attention_equals_the_masked_softmax(dtype, context,
     for name, a, b in zip(["out", "query", "key", "value"], [ours, *ours_grads], [stock, *stock_grads], strict=True):
         error = (a.double() - b).norm() / b.norm()
         assert error <= bound, f"{name}: relative error {error:.2e} > {bound:.2e}"
+
+
+def test_context_then_causal_attention_under_autocast_computes_in_its_dtype():
+    """Under the CPU's bf16 autocast (`model.dtype: bfloat16` training), inputs of mixed dtypes (the
+    rotary embedding leaves queries and keys in float32, values in bf16) are cast as autocast casts
+    SDPA's: the result is the kernel's on the bf16 inputs, exactly."""
+    from stages.common.kernels.attention import context_then_causal_attention
+
+    torch.manual_seed(0)
+    query, key = torch.randn(1, 6, 5, 16), torch.randn(1, 2, 12, 16)
+    value = torch.randn(1, 2, 12, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = context_then_causal_attention(query, key, value, 0.5)
+    cast = context_then_causal_attention(query.bfloat16(), key.bfloat16(), value, 0.5)
+    assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, cast)

@@ -238,7 +238,14 @@ def context_then_causal_attention(query, key, value, scale: float | None = None)
     twice without a mask, over the context and causally over the node's own keys, and the two
     results are merged by their log-sum-exps (as in `shared_prefix_attention`); the backward runs
     the kernel's own backward over each part against the merged output and log-sum-exp."""
-    return _ContextThenCausal.apply(query, key, value, key.shape[2] - query.shape[2], scale)
+    if torch.is_autocast_enabled("cpu"):  # as autocast casts SDPA's inputs (the kernel has no autocast rule)
+        dtype = torch.get_autocast_dtype("cpu")
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    context = key.shape[2] - query.shape[2]
+    if context == 0:  # no context: plain causal attention
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                              enable_gqa=query.shape[1] != key.shape[1])
+    return _ContextThenCausal.apply(query, key, value, context, scale)
 
 
 def register_spa_sdpa() -> None:
