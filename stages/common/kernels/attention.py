@@ -15,8 +15,10 @@ Prefix-tree-packed training rows (`stages.common.prefix_tree`: the prefix severa
 computed once) see each other only through a tree-structured mask; given as a dense mask, SDPA
 would compute every block, masked or not. A model call that passes ``packed_layout`` (a
 `TreeLayout`) gets `tree_attention` instead, with the same outputs (a sliding-window layer's
-window included). A model whose attention also soft-caps its scores, adds sinks or a position
-bias (`SCORE_EXTRAS`) is refused on the packed path.
+window included); on a CPU, a node after its ancestors' keys (no window, no dropout) is
+`context_then_causal_attention`, SDPA's kernel without a mask over each part. A model whose
+attention also soft-caps its scores, adds sinks or a position bias (`SCORE_EXTRAS`) is refused on
+the packed path.
 
 Rows that start with the same tokens (the hf backend's episodes, which share the instruction) hold
 the same keys and values in their first columns. A model call that passes ``shared_columns=P``
