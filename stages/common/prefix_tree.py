@@ -297,17 +297,19 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
     # split is one concatenation, where every slice of the whole sequence would add a zero-filled
     # gradient of the whole sequence per node and query block.
     queries, keys, values = (x.split(layout.sizes, dim=2) for x in (query, key, value))
+    merged = window is None and not dropout and query.device.type == "cpu"  # context_then_causal_attention: no masks
+    masks = [None] * len(layout.sizes) if merged else layout.node_masks(window)
     blocks = []
-    for node, (ancestors, mask) in enumerate(zip(layout.ancestors, layout.node_masks(window), strict=True)):
+    for node, (ancestors, mask) in enumerate(zip(layout.ancestors, masks, strict=True)):
         q, k, v = queries[node], keys[node], values[node]
-        if mask is None:
+        if not ancestors and mask is None:
             blocks.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                          enable_gqa=gqa))
             continue
         if ancestors:
             k = torch.cat([keys[a] for a in ancestors] + [k], dim=2)
             v = torch.cat([values[a] for a in ancestors] + [v], dim=2)
-        if window is None and not dropout and q.device.type == "cpu":
+        if merged:
             blocks.append(context_then_causal_attention(q, k, v, scaling))
             continue
         blocks.extend(_context_blocks(q, k, v, mask, layout.query_block, scaling, dropout, window))
