@@ -854,7 +854,7 @@ def write_table(the_plan: Plan) -> str:
     under it, the PPO steps each RL arm had."""
     from stages import probe
     from stages.evaluation.reports import compare_rows
-    from stages.evaluation.tables import difference
+    from stages.evaluation.tables import difference, forms
 
     names = [arm.name for arm in the_plan.arms if Path(the_plan.rows[arm.name].config.eval.out).is_file()]
     rows = compare_rows([the_plan.rows[name].config.eval.out for name in names]) if names else []
@@ -863,13 +863,15 @@ def write_table(the_plan: Plan) -> str:
     with_ppl = any(row["state_ppl_coords"] is not None for row in rows)
     first = labels[names[0]] if names else "the first arm"
     header = [the_plan.config.env.name, "Pass@1", f"Pass@{k}", "observation exact", "prediction exact",
-              "prediction exact, state changed", "prediction cells", *(["state PPL raw / coords"] if with_ppl else []),
+              "prediction exact, state changed", "state changed: grid / coordinates exact", "prediction cells",
+              *(["state PPL raw / coords"] if with_ppl else []),
               *(PROBE_COLUMNS.values() if the_plan.probes else []), f"Pass@1 vs {first} [95%]",
               f"Pass@{k} vs {first} [95%]"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, row in zip(names, rows):
-        figures = [_percent(row[key]) for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
-                                                  "prediction_of_change_exact", "prediction_cells")]
+        figures = [*(_percent(row[key]) for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
+                                                     "prediction_of_change_exact")),
+                   forms(row), _percent(row["prediction_cells"])]
         if with_ppl:
             figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
         if the_plan.probes:

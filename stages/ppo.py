@@ -162,8 +162,9 @@ CONSTANT_LR_STEPS = 2**62
 ADAM_BETAS = (0.9, 0.999)
 #: The metrics of the state reward an episode was paid (a sum over its turns): all, then its two parts.
 STATE_REWARD_METRICS = ("state_reward", "state_reward_observation", "state_reward_prediction")
-#: The world-model accuracies a step logs, ``wm_<kind>_exact`` and ``wm_<kind>_turns``, one per kind of
-#: `metrics.world_model_metrics`: observations, predictions, and predictions of turns that changed the state.
+#: The world-model accuracies a step logs, ``wm_<kind>_exact`` (its grid and coordinates apart too) and
+#: ``wm_<kind>_turns``, one per kind of `metrics.world_model_metrics`: observations, predictions, and
+#: predictions of turns that changed the state.
 WORLD_MODEL_KINDS = ("observation", "prediction", "prediction_of_change")
 #: What `metrics.world_model_metrics` reads of a turn.
 WORLD_MODEL_TURN_KEYS = ("state", "next_state", "observation", "prediction")
@@ -699,11 +700,14 @@ def rollout_stats(figures: list[dict], kept: list[Any], samples: list[Sample],
 def world_model_stats(figures: list[dict]) -> dict[str, float | int | None]:
     """The world-model accuracy of the step's rollouts, as `spa eval` measures it
     (`metrics.world_model_metrics`, over every episode's turns): for each of `WORLD_MODEL_KINDS`,
-    ``wm_<kind>_exact``, the share of the turns that wrote the tag where it equals the true state, and
-    ``wm_<kind>_turns``, those turns; the share is None when no turn wrote the tag."""
+    ``wm_<kind>_exact``, the share of the turns that wrote the tag where it equals the true state,
+    ``wm_<kind>_grid_exact`` and ``wm_<kind>_coordinates_exact``, the same for each form of the state
+    (`states.state_forms`; coordinates over the turns whose true state has them), and
+    ``wm_<kind>_turns``, those turns; a share is None when no turn wrote the tag."""
     found = world_model_metrics([{"turns": f["world_model_turns"]} for f in figures])
     return {f"wm_{kind}_{figure}": found[kind][key] for kind in WORLD_MODEL_KINDS
-            for figure, key in (("exact", "exact_match"), ("turns", "turns"))}
+            for figure, key in (("exact", "exact_match"), ("grid_exact", "grid_exact"),
+                                ("coordinates_exact", "coordinates_exact"), ("turns", "turns"))}
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------

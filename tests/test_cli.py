@@ -410,7 +410,7 @@ def test_compare_as_json_and_markdown(tmp_path):
     assert result.exit_code == 0 and json.loads(result.output) == rows
     markdown = invoke("eval", "compare", *paths, "--format", "markdown").output.splitlines()
     assert markdown[0] == (f"| report | model | prompt, states | Pass@1 | Pass@2 | obs exact | pred exact | pred exact, changed | "
-                           f"obs cells | pred cells | "
+                           f"changed: grid / coords | obs cells | pred cells | "
                            f"Pass@1 minus {paths[0]} | Pass@2 minus {paths[0]} |")
     diff, low, high = rows[1]["pass@1_vs_first"]
     assert markdown[3].startswith(f"| {paths[1]} | random | base, coords | {100 * rows[1]['pass@1']:.1f} |")

@@ -128,7 +128,8 @@ def test_world_model_accuracy_on_other_symbols():
     figures = metrics.world_model_metrics([{"turns": turns}])
     assert figures["observation"]["exact_match"] == 0.5
     assert figures["observation"]["cell_accuracy"] == pytest.approx((1 + 35 / 36) / 2)
-    assert figures["prediction"] == {"turns": 1, "coverage": 0.5, "exact_match": 1.0, "cell_accuracy": 1.0}
+    assert figures["prediction"] == {"turns": 1, "coverage": 0.5, "exact_match": 1.0, "cell_accuracy": 1.0,
+                                     "grid_exact": 1.0, "coordinates_exact": 1.0}
     assert metrics.grid_cells(state) == [list(row) for row in grid_rows]
 
 

@@ -15,6 +15,7 @@ from stages.evaluation.metrics import (
     pass_at_k,
     pass_at_k_curve,
     per_seed_counts,
+    state_forms,
     states_match,
     summarize,
     world_model_metrics,
@@ -273,13 +274,39 @@ def test_world_model_metrics_on_hand_made_turns():
     assert pred["cell_accuracy"] == pytest.approx((34 / 36 + 1) / 2)
     # Of the two predictions only the first turn's state changed (Sudoku's prediction is a copy).
     assert wm["prediction_of_change"] == {"turns": 1, "coverage": 1 / 4, "exact_match": 0.0,
-                                          "cell_accuracy": pytest.approx(34 / 36)}
+                                          "cell_accuracy": pytest.approx(34 / 36), "grid_exact": 0.0,
+                                          "coordinates_exact": 1.0}
+    # Each form apart: the short observation misses a grid row and the coordinate line; the first
+    # prediction draws the player one cell off but writes the true coordinates.
+    assert obs["grid_exact"] == pytest.approx(2 / 3) and obs["coordinates_exact"] == pytest.approx(2 / 3)
+    assert pred["grid_exact"] == 0.5 and pred["coordinates_exact"] == 1.0
     first, second = wm["per_turn"]
     assert first["turn"] == 1 and first["turns"] == 2
     assert first["observation"]["exact_match"] == 1.0 and first["prediction"]["exact_match"] == 0.5
     assert second["turn"] == 2 and second["turns"] == 2
     assert second["observation"]["turns"] == 1 and second["observation"]["exact_match"] == 0.0
-    assert second["prediction"] == {"turns": 0, "coverage": 0.0, "exact_match": None, "cell_accuracy": None}
+    assert second["prediction"] == {"turns": 0, "coverage": 0.0, "exact_match": None, "cell_accuracy": None,
+                                    "grid_exact": None, "coordinates_exact": None}
+
+
+def test_state_forms_split_the_grid_from_the_coordinates():
+    grid, coordinates = SOKOBAN.rsplit("\n", 1)
+    assert state_forms(SOKOBAN) == (grid, coordinates)
+    assert state_forms("  " + SOKOBAN.replace("\n", " \n") + "\n\n") == (grid, coordinates)
+    assert state_forms(SUDOKU) == (SUDOKU.split(" \n")[0], SUDOKU.split("\n")[1])
+    assert state_forms("_O__\nO___\nG___\n__P_") == ("_O__\nO___\nG___\n__P_", "")  # a raw grid
+    assert state_forms("Player (P) is at (1,1).") == ("", "Player (P) is at (1,1).")  # coordinates alone
+
+
+def test_coordinates_are_judged_only_where_the_truth_has_them():
+    raw, coords = "_O__\nO___\nG___\n__P_", "_O__\nO___\nG___\n__P_\nPlayer (P) is at (3,2)."
+    trajectories = [episode(1, False, [
+        turn(state=raw, next_state=raw.replace("__P_", "_P__"), prediction=raw.replace("__P_", "_P__")),
+        turn(state=coords, next_state=coords, prediction=coords.replace("(3,2)", "(3,1)")),
+    ])]
+    pred = world_model_metrics(trajectories)["prediction"]
+    assert pred["exact_match"] == 0.5 and pred["grid_exact"] == 1.0
+    assert pred["coordinates_exact"] == 0.0  # one turn judged: the raw grid's truth has no coordinates
 
 
 def test_summarize_puts_it_together():

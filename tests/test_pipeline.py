@@ -358,13 +358,13 @@ def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
     assert note == "PPO: + Vanilla RL after 1 step of 2 x 2 episodes; + SPA after 1 step of 2 x 2 episodes.\n"
     rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in grid.splitlines()]
     assert rows[0] == ["sokoban", "Pass@1", "Pass@2", "observation exact", "prediction exact",
-                       "prediction exact, state changed", "prediction cells",
-                       "Pass@1 vs base model [95%]", "Pass@2 vs base model [95%]"]
+                       "prediction exact, state changed", "state changed: grid / coordinates exact",
+                       "prediction cells", "Pass@1 vs base model [95%]", "Pass@2 vs base model [95%]"]
     assert [row[0] for row in rows[2:]] == ["base model", "+ Vanilla RL", "+ SPA SFT", "+ SPA"]
     base, spa = (json.loads((run_dir / "eval" / f"{n}.json").read_text()) for n in ("base", "spa"))
-    assert rows[2][1] == f"{100 * base['metrics']['pass@1']:.1f}" and rows[2][7:] == ["-", "-"]
+    assert rows[2][1] == f"{100 * base['metrics']['pass@1']:.1f}" and rows[2][8:] == ["-", "-"]
     diff, low, high = metrics.paired_difference(base["per_seed"], spa["per_seed"], 1)
-    assert rows[5][7] == f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+    assert rows[5][8] == f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
 def test_the_run_directory_gets_its_training_curves_and_pass_at_k_plots(finished):
@@ -542,12 +542,12 @@ def test_the_table_gets_each_arms_probe_and_a_finished_probe_is_not_redone(tiny_
     assert list(state) == ["eval/base", "probe/base", "eval/state_estimation", "ppo/vanilla_rl", "eval/vanilla_rl",
                            "probe/vanilla_rl"]
     rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in result["table"].splitlines()]
-    assert rows[0][7:10] == ["probe exact, state changed", "probe cells, state changed", "probe true > copy"]
+    assert rows[0][8:11] == ["probe exact, state changed", "probe cells, state changed", "probe true > copy"]
     for row, name in zip(rows[2:], ("base", "base", "vanilla_rl")):
         report = probe.load_report(run_dir / "probe" / f"{name}.json")
         assert report["settings"]["states"] == 1 and report["all"]["cases"] == 4
         changed = report["changed"]
-        assert row[7:10] == [f"{100 * changed['exact']:.1f}", f"{100 * changed['cells']:.1f}",
+        assert row[8:11] == [f"{100 * changed['exact']:.1f}", f"{100 * changed['cells']:.1f}",
                              f"{100 * changed['likelihood']['true_more_likely']:.1f}"]
     assert probe.load_report(run_dir / "probe" / "vanilla_rl.json")["settings"]["model"] == str(
         run_dir / "ppo" / "vanilla_rl" / "final")

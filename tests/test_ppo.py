@@ -178,13 +178,18 @@ def test_a_step_logs_how_often_its_rollouts_observed_and_predicted_the_game_exac
         "wm_observation_exact": 3 / 4, "wm_observation_turns": 4,  # all but the first episode's second
         "wm_prediction_exact": 3 / 5, "wm_prediction_turns": 5,  # all but the second episode's first and last
         "wm_prediction_of_change_exact": 2 / 3, "wm_prediction_of_change_turns": 3,  # the copy is wrong here
+        # these boards are grids alone: the grid is the whole state, and no coordinates are judged
+        "wm_observation_grid_exact": 3 / 4, "wm_prediction_grid_exact": 3 / 5, "wm_prediction_of_change_grid_exact": 2 / 3,
+        "wm_observation_coordinates_exact": None, "wm_prediction_coordinates_exact": None,
+        "wm_prediction_of_change_coordinates_exact": None,
     }
     for turn in [turn for episode in episodes for turn in episode.turns]:  # the base prompt's turns: no tags
         turn.observation = turn.prediction = None
     stats = ppo.rollout_stats([ppo.episode_figures(e) for e in episodes], episodes, samples)
     assert {key: stats[key] for key in stats if key.startswith("wm_")} == {
-        "wm_observation_exact": None, "wm_observation_turns": 0, "wm_prediction_exact": None,
-        "wm_prediction_turns": 0, "wm_prediction_of_change_exact": None, "wm_prediction_of_change_turns": 0}
+        **{f"wm_{kind}_{figure}": None for kind in ppo.WORLD_MODEL_KINDS
+           for figure in ("exact", "grid_exact", "coordinates_exact")},
+        "wm_observation_turns": 0, "wm_prediction_turns": 0, "wm_prediction_of_change_turns": 0}
 
 
 def test_sample_with_the_all_mask_covers_everything_after_the_system_prompt():

@@ -51,6 +51,18 @@ def grid_cells(text: str) -> list[list[str]]:
     return rows
 
 
+def state_forms(text: str) -> tuple[str, str]:
+    """A state text split into the two forms it writes a state in: the grid (every line before the
+    first coordinate line) and the coordinates (that line and the ones after it), each as
+    `normalize_state` leaves it; a text without a coordinate line has an empty second part.
+
+    The paper's states carry both (the grid, then ``Player (P) is at (r,c); ...``), and a model
+    can get one right and the other wrong: world-model accuracy reports each form apart."""
+    lines = normalize_state(text).splitlines()
+    split = next((i for i, line in enumerate(lines) if _COORDINATE_LINE.search(line)), len(lines))
+    return normalize_state("\n".join(lines[:split])), normalize_state("\n".join(lines[split:]))
+
+
 def cell_accuracy(predicted: str, true: str) -> float:
     """Share of grid cells the predicted state text gets right, against the true state text.
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from stages.agent.states import cell_accuracy, grid_cells, normalize_state, states_match
+from stages.agent.states import cell_accuracy, grid_cells, normalize_state, state_forms, states_match
 
 Trajectory = Mapping[str, Any]
 
 __all__ = ["cell_accuracy", "episode_metrics", "grid_cells", "mean_pass_at_k", "normalize_state", "paired_difference",
-           "pass_at_k", "pass_at_k_curve", "per_seed_counts", "states_match", "summarize", "world_model_metrics"]
+           "pass_at_k", "pass_at_k_curve", "per_seed_counts", "state_forms", "states_match", "summarize", "world_model_metrics"]
 
 # ---- Pass@k ----------------------------------------------------------------------------------
 
@@ -226,8 +226,11 @@ def world_model_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
       cannot tell a world model from a copier; this can.
 
     For each kind: ``turns`` (turns with the tag), ``coverage`` (their share of all turns),
-    ``exact_match`` (share equal to the truth after `normalize_state`) and ``cell_accuracy``
-    (mean over those turns of `cell_accuracy`); None when no turn has the tag. ``per_turn`` lists
+    ``exact_match`` (share equal to the truth after `normalize_state`), ``cell_accuracy``
+    (mean over those turns of `cell_accuracy`), and the exact shares of each form of the state
+    apart (`state_forms`): ``grid_exact`` (the grid part equals the truth's) and
+    ``coordinates_exact`` (the coordinate lines do; over the turns whose true state has them);
+    each None when no turn has the tag. ``per_turn`` lists
     the observation and prediction figures by turn number (1-based), so a reader sees whether
     accuracy holds up as the episode goes on.
     """
@@ -244,11 +247,11 @@ def world_model_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
                 written, truth = turn.get(kind), turn.get(truth_key)
                 if written is None or truth is None:
                     continue
-                exact, cells = states_match(written, truth), cell_accuracy(written, truth)
-                overall[kind].add(exact, cells)
-                tallies[kind].add(exact, cells)
+                figures = _state_figures(written, truth)
+                overall[kind].add(*figures)
+                tallies[kind].add(*figures)
                 if kind == "prediction" and not states_match(turn["state"], truth):
-                    of_change.add(exact, cells)
+                    of_change.add(*figures)
     result: dict[str, Any] = {kind: overall[kind].summary(total_turns) for kind, _ in _WM_KINDS}
     result["prediction_of_change"] = of_change.summary(total_turns)
     result["per_turn"] = [
@@ -259,18 +262,29 @@ def world_model_metrics(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     return result
 
 
+def _state_figures(written: str, truth: str) -> tuple[bool, float, bool, bool | None]:
+    """A written state against the true one: exact, cells right, grid exact, coordinates exact
+    (None when the truth has no coordinate line)."""
+    (grid, coordinates), (true_grid, true_coordinates) = state_forms(written), state_forms(truth)
+    return (states_match(written, truth), cell_accuracy(written, truth), grid == true_grid,
+            coordinates == true_coordinates if true_coordinates else None)
+
+
 class _WmTally:
     """Running counts of one world-model figure."""
 
     def __init__(self) -> None:
-        self.turns = 0
-        self.exact = 0
+        self.turns = self.exact = self.grid = self.coordinate_turns = self.coordinates = 0
         self.cells = 0.0
 
-    def add(self, exact: bool, cells: float) -> None:
+    def add(self, exact: bool, cells: float, grid: bool, coordinates: bool | None) -> None:
         self.turns += 1
         self.exact += exact
         self.cells += cells
+        self.grid += grid
+        if coordinates is not None:
+            self.coordinate_turns += 1
+            self.coordinates += coordinates
 
     def summary(self, all_turns: int) -> dict[str, Any]:
         return {
@@ -278,6 +292,8 @@ class _WmTally:
             "coverage": _ratio(self.turns, all_turns),
             "exact_match": _ratio(self.exact, self.turns),
             "cell_accuracy": self.cells / self.turns if self.turns else None,
+            "grid_exact": _ratio(self.grid, self.turns),
+            "coordinates_exact": _ratio(self.coordinates, self.coordinate_turns),
         }
 
 

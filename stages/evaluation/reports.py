@@ -133,6 +133,9 @@ def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[
             "observation_exact": wm.get("observation", {}).get("exact_match"),
             "prediction_exact": wm.get("prediction", {}).get("exact_match"),
             "prediction_of_change_exact": wm.get("prediction_of_change", {}).get("exact_match"),
+            # the two forms of those predictions apart (reports written before them lack them)
+            "prediction_of_change_grid_exact": wm.get("prediction_of_change", {}).get("grid_exact"),
+            "prediction_of_change_coordinates_exact": wm.get("prediction_of_change", {}).get("coordinates_exact"),
             "observation_cells": wm.get("observation", {}).get("cell_accuracy"),
             "prediction_cells": wm.get("prediction", {}).get("cell_accuracy"),
             "state_ppl_raw": figures.get("state_perplexity", {}).get("raw", {}).get("ppl"),

@@ -46,14 +46,14 @@ def _compare_cells(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, ...], lis
     ks = {row["k"] for row in rows}
     k_header = f"Pass@{next(iter(ks))}" if len(ks) == 1 else "Pass@k"
     headers = ("report", "model", "prompt, states", "Pass@1", k_header, "obs exact", "pred exact",
-               "pred exact, changed", "obs cells", "pred cells")
+               "pred exact, changed", "changed: grid / coords", "obs cells", "pred cells")
     cells = []
     for row in rows:
         k_cell = _percent(row["pass@k"]) + ("" if k_header != "Pass@k" else f" (k={row['k']})")
         cells.append((row["report"], row["model"], f"{row['prompt_mode']}, {row['render_mode']}",
                       _percent(row["pass@1"]), k_cell,
                       _percent(row["observation_exact"]), _percent(row["prediction_exact"]),
-                      _percent(row["prediction_of_change_exact"]),
+                      _percent(row["prediction_of_change_exact"]), forms(row),
                       _percent(row["observation_cells"]), _percent(row["prediction_cells"])))
     return headers, cells
 
@@ -93,6 +93,13 @@ def print_wide(renderable: Any, console: Any) -> None:
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}"
+
+
+def forms(row: dict[str, Any]) -> str:
+    """The exact predictions of moved states in each form, grid / coordinates (percent), of a
+    `reports.compare_rows` row."""
+    return (f"{_percent(row.get('prediction_of_change_grid_exact'))} / "
+            f"{_percent(row.get('prediction_of_change_coordinates_exact'))}")
 
 
 def difference(paired: tuple[float, float, float] | None) -> str:
@@ -166,13 +173,15 @@ def report_renderable(report: dict):
 
     wm = figures.get("world_model")
     if wm and any(wm[kind]["turns"] for kind in ("observation", "prediction")):
-        overall = _table("world model", "tag written (%)", "exact match (%)", "cell accuracy (%)")
+        overall = _table("world model", "tag written (%)", "exact match (%)", "cell accuracy (%)",
+                         "grid exact (%)", "coordinates exact (%)")
         for label, kind in (("observation", "observation"), ("prediction", "prediction"),
                             ("prediction, state changed", "prediction_of_change")):
             row = wm.get(kind)  # reports written before prediction_of_change existed lack it
             if row:
                 overall.add_row(label, _percent(row["coverage"]), _percent(row["exact_match"]),
-                                _percent(row["cell_accuracy"]))
+                                _percent(row["cell_accuracy"]), _percent(row.get("grid_exact")),
+                                _percent(row.get("coordinates_exact")))
         parts.append(overall)
         per_turn = _table("turn", "episodes", "obs exact", "pred exact", "obs cells", "pred cells")
         per_turn.title, per_turn.title_justify = "by turn (%)", "left"
