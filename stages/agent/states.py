@@ -28,20 +28,28 @@ def states_match(predicted: str, true: str) -> bool:
 _COORDINATE_LINE = re.compile(r"\(\s*\d+\s*,\s*\d+\s*\)|no empty position", re.IGNORECASE)
 
 
-def grid_cells(text: str) -> list[list[str]]:
-    """The grid part of a state text as rows of cells.
+def state_forms(text: str) -> tuple[str, str]:
+    """A state text split into the two forms it writes a state in: the grid (every line before the
+    first coordinate line, a line with an ``(r,c)`` pair or Sudoku's "No empty positions") and the
+    coordinates (that line and the ones after it), each as `normalize_state` leaves it; a text
+    without a coordinate line has an empty second part.
 
-    The grid part is every non-blank line (stripped) before the first coordinate line (a line
-    with an ``(r,c)`` pair or Sudoku's "No empty positions"); blank lines carry no cells and are
-    skipped. A line starting with ``|`` is a Sudoku board, ``| . 1 2 4 | 4 2 1 3 | ...``: each
-    ``|``-separated segment is a row and its space-separated tokens are the cells. Any other line
-    is one row of one-character cells (Sokoban, FrozenLake).
+    The paper's states carry both (the grid, then ``Player (P) is at (r,c); ...``), and a model
+    can get one right and the other wrong: world-model accuracy reports each form apart."""
+    lines = normalize_state(text).splitlines()
+    split = next((i for i, line in enumerate(lines) if _COORDINATE_LINE.search(line)), len(lines))
+    return normalize_state("\n".join(lines[:split])), normalize_state("\n".join(lines[split:]))
+
+
+def grid_cells(text: str) -> list[list[str]]:
+    """The grid part of a state text (`state_forms`) as rows of cells.
+
+    Blank lines carry no cells and are skipped. A line starting with ``|`` is a Sudoku board,
+    ``| . 1 2 4 | 4 2 1 3 | ...``: each ``|``-separated segment is a row and its space-separated
+    tokens are the cells. Any other line is one row of one-character cells (Sokoban, FrozenLake).
     """
     rows: list[list[str]] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if _COORDINATE_LINE.search(line):
-            break
+    for line in state_forms(text)[0].splitlines():
         if not line:
             continue
         if line.startswith("|"):
@@ -49,18 +57,6 @@ def grid_cells(text: str) -> list[list[str]]:
         else:
             rows.append(list(line))
     return rows
-
-
-def state_forms(text: str) -> tuple[str, str]:
-    """A state text split into the two forms it writes a state in: the grid (every line before the
-    first coordinate line) and the coordinates (that line and the ones after it), each as
-    `normalize_state` leaves it; a text without a coordinate line has an empty second part.
-
-    The paper's states carry both (the grid, then ``Player (P) is at (r,c); ...``), and a model
-    can get one right and the other wrong: world-model accuracy reports each form apart."""
-    lines = normalize_state(text).splitlines()
-    split = next((i for i, line in enumerate(lines) if _COORDINATE_LINE.search(line)), len(lines))
-    return normalize_state("\n".join(lines[:split])), normalize_state("\n".join(lines[split:]))
 
 
 def cell_accuracy(predicted: str, true: str) -> float:
