@@ -102,12 +102,13 @@ demo: $(DEMO_STAMP)
 
 # A CPU-scale reproduction of the paper's comparison (configs/repro_cpu/): the arms of its Table 2
 # without RL (base, state_estimation, spa_sft) and the masked-state control (spa_masked_sft) on
-# Sokoban and FrozenLake, 32 eval puzzles x 4 samples; then RL on FrozenLake (rl_frozen_lake.yaml:
+# Sokoban (with the format control, sokoban_format_control.yaml) and FrozenLake, 32 eval puzzles x
+# 4 samples; then RL on FrozenLake (rl_frozen_lake.yaml:
 # spa_sft, SPA and Vanilla RL with validation curves); and a Sokoban world model that predicts
 # moves (sokoban_world_model.yaml) (docs/experiments.md). Run it in the background
 # (`nohup make repro-cpu > repro.log 2>&1 &`); it resumes where it stopped.
 repro-cpu: install
-	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban.yaml
+	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban_format_control.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/frozen_lake.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/rl_frozen_lake.yaml
 	$(BIN)/spa pipeline --config configs/repro_cpu/sokoban_world_model.yaml

@@ -331,7 +331,7 @@ def sft(
     out: Annotated[str | None, _out("sft", "Run directory to write.")] = None,
     epochs: Annotated[int | None, _flag("sft.epochs", "Training epochs.")] = None,
     state_text: Annotated[str | None, _flag(
-        "sft.state_text", "trained | masked (the paper's [MASKED] ablation, Fig. 4).")] = None,
+        "sft.state_text", "trained | masked (the paper's [MASKED] ablation, Fig. 4) | placeholder (the format control).")] = None,
     report_to: ReportToOpt = None,
     resume: Annotated[bool | None, _resume("sft")] = None,
     dry_run: Annotated[bool, typer.Option(help="Write the first rows' tokens and masks, do not train.")] = False,

@@ -186,6 +186,8 @@ BUILT_IN = {arm.name: arm for arm in [
     Arm("spa", "+ SPA", sft=True, ppo=True, ids=_SELF_PLAY, set=_SPA),
     Arm("spa_masked", "SPA, masked states (Fig. 4)", sft=True, ppo=True, set={**_SPA, "sft.state_text": "masked"},
         ids={**_SELF_PLAY, "sft": "spa_masked"}),
+    Arm("spa_format_control", "SPA, placeholder states (format control)", sft=True, ppo=True,
+        set={**_SPA, "sft.state_text": "placeholder"}, ids={**_SELF_PLAY, "sft": "spa_format_control"}),
     Arm("spa_random_coordinates", "SPA, random coordinates (Fig. 5)", sft=True, ppo=True,
         set={**_SPA, "clean.random_coordinates": True},
         ids={"generate": "selfplay", "clean": "selfplay_random_coordinates", "sft": "spa_random_coordinates"}),

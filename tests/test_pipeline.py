@@ -93,6 +93,7 @@ EXPECTED = {
                 evaluated("spa_sft", f"{R}/sft/spa/final")],
     "spa": spa_like("spa"),
     "spa_masked": spa_like("spa_masked", state_text="masked"),
+    "spa_format_control": spa_like("spa_format_control", state_text="placeholder"),
     "spa_random_coordinates": spa_like("spa_random_coordinates", clean="selfplay_random_coordinates",
                                        random_coordinates=True),
     "spa_no_state_estimation": spa_like(
@@ -114,11 +115,11 @@ def test_every_built_in_arm_resolves_to_the_papers_settings():
         assert chain(the_plan, arm) == EXPECTED[arm], arm
     # every stage once, upstream before downstream
     names = [stage.name for stage in the_plan.stages]
-    assert len(names) == len(set(names)) == 42
+    assert len(names) == len(set(names)) == 45
     assert all(names.index(s.upstream.name) < names.index(s.name) for s in the_plan.stages if s.upstream)
     shared = {stage.name: stage.arms for stage in the_plan.stages}
     assert shared["sft/spa"] == ["spa_sft", "spa"]
-    assert shared["generate/selfplay"] == ["spa_sft", "spa", "spa_masked", "spa_random_coordinates",
+    assert shared["generate/selfplay"] == ["spa_sft", "spa", "spa_masked", "spa_format_control", "spa_random_coordinates",
                                            "spa_self_belief", "spa_sft_1_epoch", "spa_unfiltered"]
     # the plan's own settings: the data is 160 puzzles x 8, PPO and eval as base.yaml says
     generate = next(s for s in the_plan.stages if s.name == "generate/selfplay").config

@@ -183,8 +183,20 @@ def test_masked_rows_hold_no_state_text_in_input_or_target(tokenizer):
         "<think> <observation>", "</observation> I push right. <prediction>",
         "</prediction> </think> <answer> Up </answer><|im_end|>"]
     assert mask_states(messages)[0] == messages[0] and mask_states(messages)[2]["content"] == masked
-    with pytest.raises(ValueError, match="state_text must be one of trained, masked, got 'hidden'"):
+    with pytest.raises(ValueError, match="state_text must be one of trained, masked, placeholder, got 'hidden'"):
         tokenize_row(tokenizer, messages, max_length=4096, state_text="hidden")
+
+
+def test_placeholder_rows_read_the_masked_text_and_train_the_placeholder(tokenizer):
+    """The format control: the same tokens as the masked ablation, the "[MASKED]" tokens trained
+    like any other text, and only in the trained turn."""
+    messages = conversation(random.Random(9), turns=3, train=[False, False, True])
+    control = tokenize_row(tokenizer, messages, max_length=4096, state_text="placeholder")
+    masked = tokenize_row(tokenizer, messages, max_length=4096, state_text="masked")
+    assert control.input_ids == masked.input_ids
+    assert trained_runs(control, tokenizer) == [(
+        "<think> <observation>[MASKED]</observation> I push right. <prediction>[MASKED]</prediction> "
+        "</think> <answer> Up </answer><|im_end|>")]
 
 
 def test_no_row_has_an_empty_mask_or_trains_a_user_token(tokenizer, data):

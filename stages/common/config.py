@@ -78,7 +78,7 @@ def _check_number(key: str, value: Any, bounds: dict[str, float]) -> None:
 
 PromptMode = Literal["world_model", "base"]
 RenderMode = Literal["coords", "text"]
-StateText = Literal["trained", "masked"]
+StateText = Literal["trained", "masked", "placeholder"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]  # verl's names
 
 _PROMPT_MODE = ('"world_model" asks for <observation> and <prediction> inside <think>, "base" for '
@@ -344,7 +344,9 @@ class SFTConfig(TrainingConfig):
         'The contents of the assistant turns\' <observation> and <prediction>: "trained", the true states '
         'trained like any other text (the paper\'s method, eq. 2); "masked", every such content, in the '
         'trained turn and in the context, becomes "[MASKED]" with no loss on it (the paper\'s Fig. 4 '
-        "ablation, and what SPA's released trainer does)."), paper="trained (eq. 2)")
+        "ablation, and what SPA's released trainer does); \"placeholder\", the same \"[MASKED]\" text trained like "
+        "any other (the format control, not in the paper: the world-model format learnt without any state)."),
+        paper="trained (eq. 2)")
     packing: bool | None = setting(None, help=(
         "Several rows in one micro-batch sequence; null: only with flash-attention 2, whose varlen kernel "
         "skips the work across rows (stages/training/sft_data.py)."))

@@ -25,7 +25,11 @@ State text (`state_text`, the contents of `<observation>...</observation>` and
   messages is the observation and stays) and is never trained to write one. Differences from
   SPA's trainer: the placeholder is text, not an added special token (no new embedding row, so
   checkpoints keep the base model's vocabulary), and the tags stay and are trained, so the model
-  still writes the format every parser looks for (SPA replaces tags and content by one token).
+  still writes the format every parser looks for (SPA replaces tags and content by one token);
+* "placeholder" (the format control, not in the paper): the same `[MASKED]` text as "masked", its
+  tokens trained like any other, so the model learns to write the world-model format with no state
+  in it. RL from it against RL from "trained" separates the world model's share of SPA's gain from
+  the format's, where "masked" leaves a small model without the format at all.
 
 SPA's released parquet rows (`stages.common.spa_data`) are read like our JSONL rows (`read_rows`).
 
@@ -159,7 +163,7 @@ def tokenize_row(tokenizer, messages: list[dict], max_length: int, state_text: s
     for `state_text`); `row` names it in the Example and in errors."""
     if state_text not in STATE_TEXT:
         raise ValueError(f"state_text must be one of {', '.join(STATE_TEXT)}, got {state_text!r}")
-    if state_text == "masked":
+    if state_text != "trained":
         messages = mask_states(messages)
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tokenizer.apply_chat_template(chat, tokenize=False)
