@@ -516,8 +516,12 @@ def state_reward(config: SPAConfig) -> StateReward | None:
 
 def rollout_config(config: SPAConfig, step: int):
     """The rollout settings of ``step``: a sampler seed of its own, so that steps differ and a
-    resumed run draws the same samples as an uninterrupted one."""
-    return dataclasses.replace(config.rollout, sample_seed=stable_seed(config.rollout.sample_seed, "ppo", step, bits=31))
+    resumed run draws the same samples as an uninterrupted one. Runs that differ in ``ppo.seed``
+    play the same puzzles with other samples (RL seeds); the default seed adds nothing to the
+    sampler's seed, so that default runs draw the samples of docs/experiments.md's."""
+    run = () if config.ppo.seed == PPOConfig.seed else (f"seed-{config.ppo.seed}",)
+    return dataclasses.replace(config.rollout,
+                               sample_seed=stable_seed(config.rollout.sample_seed, "ppo", step, *run, bits=31))
 
 
 def play_share(config: SPAConfig, backend: Any, step: int, seed_counter: int, dist: Dist,

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from stages import ppo
 from stages.common.config import load_config
 from stages.common.errors import UserError
+from stages.common.seeds import stable_seed
 from stages.training import ppo_samples
 
 
@@ -30,6 +31,18 @@ def tiny_config(model_dir, out, *extra):
 
 def read_metrics(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_seeds_draw_other_samples_of_the_same_puzzles_and_the_default_seed_adds_nothing(tmp_path):
+    def sampler_seeds(seed):
+        config = tiny_config("smollm2-135m", tmp_path, "rollout.sample_seed=7", f"ppo.seed={seed}")
+        return [ppo.rollout_config(config, step).sample_seed for step in (1, 2)]
+
+    assert sampler_seeds(1) == [stable_seed(7, "ppo", step, bits=31) for step in (1, 2)]
+    assert sampler_seeds(2) == [stable_seed(7, "ppo", step, "seed-2", bits=31) for step in (1, 2)]
+    assert len({*sampler_seeds(1), *sampler_seeds(2), *sampler_seeds(3)}) == 6
+    config = tiny_config("smollm2-135m", tmp_path, "ppo.seed=2")
+    assert ppo.train_seeds(config, 4) == ppo.train_seeds(tiny_config("smollm2-135m", tmp_path), 4) == [10004, 10005]
 
 
 TRAIN_FIELDS = ("reward", "success", "entropy", "clip_frac", "ppo_kl", "value_loss", "pg_loss",

@@ -293,8 +293,9 @@ class TrainingConfig(_Section):
         "alike (stages/training/loss_agg.py)."),
         paper="seq-mean-token-mean (SPA's runs: verl's token mean per micro-batch of one row or episode)")
     seed: int = setting(1, ge=0, help=(
-        "Seed of torch when the model loads (LoRA adapters and a value head start from it) and, in SFT, of "
-        "the row order."), paper="1")
+        "Seed of torch when the model loads (LoRA adapters and a value head start from it); in SFT, of the "
+        "row order; in PPO, of the rollouts' samples too: RL seeds play the same puzzles with other samples."),
+        paper="1")
     resume: bool = setting(False, help=(
         "Continue the run already in `out` (same settings only); without it a non-empty `out` is refused."))
 
