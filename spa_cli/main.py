@@ -420,6 +420,37 @@ def _output_format(format_: str, as_json: bool) -> str:
     return "json" if as_json else format_
 
 
+@eval_app.command("seeds")
+@user_errors
+def eval_seeds(
+    a: Annotated[list[Path] | None, typer.Option("--a", help="A's report.json files: one, or one per run (RL seed).",
+                                                  show_default="none")] = None,
+    b: Annotated[list[Path] | None, typer.Option("--b", help="B's report.json files: one, or one per run (RL seed).",
+                                                  show_default="none")] = None,
+    force: Annotated[bool, typer.Option(help="Compare even if the settings differ.")] = False,
+    format_: FormatOpt = "table", as_json: JsonOpt = False,
+) -> None:
+    """B minus A over several training runs of each (RL seeds): does the difference hold in all?
+
+    Every run's Pass@1 and Pass@k in percent, with B minus A for it against all runs of the other
+    side; then the pooled difference (each side's mean over its runs, puzzle by puzzle) with a 95%
+    interval over the puzzles.
+
+    The verdict: higher or lower when that interval excludes 0 and no run's difference has the
+    other sign, else not shown. --json gives the same figures as fractions."""
+    from stages.evaluation import reports as eval_reports
+    from stages.evaluation import tables
+
+    shape = _output_format(format_, as_json)
+    comparison = eval_reports.seed_comparison(a or [], b or [], force=force)
+    if shape == "json":
+        typer.echo(json.dumps(comparison, indent=2))
+    elif shape == "markdown":
+        typer.echo(tables.markdown_table(*tables.seed_cells(comparison)), nl=False)
+    else:
+        _print_table("spa eval seeds: B minus A (%)", *tables.seed_cells(comparison))
+
+
 @eval_app.command("compare")
 @user_errors
 def eval_compare(

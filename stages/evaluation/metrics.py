@@ -8,8 +8,9 @@ Three families:
 
 * **Pass@k** (`pass_at_k`, `mean_pass_at_k`, `pass_at_k_curve`): the unbiased estimator of
   Chen et al. 2021, averaged over puzzles (seeds); `paired_difference` puts a bootstrap
-  interval on the difference between two models evaluated on the same puzzles, `pass_at_k_band`
-  one on each k of a curve.
+  interval on the difference between two models evaluated on the same puzzles,
+  `pooled_difference` on that between two sets of runs (RL seeds), `seed_verdict` says whether
+  it holds in every run, and `pass_at_k_band` puts one on each k of a curve.
 * **Episode aggregates** (`episode_metrics`): success rate (= Pass@1), reward, turns, actions,
   action validity and effectiveness, format-valid rate.
 * **World-model accuracy** (`world_model_metrics`): how often the model's ``<observation>`` equals
@@ -20,6 +21,7 @@ Three families:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +30,8 @@ from stages.agent.states import cell_accuracy, grid_cells, normalize_state, stat
 Trajectory = Mapping[str, Any]
 
 __all__ = ["cell_accuracy", "episode_metrics", "grid_cells", "mean_pass_at_k", "normalize_state", "paired_difference",
-           "pass_at_k", "pass_at_k_curve", "per_seed_counts", "state_forms", "states_match", "summarize", "world_model_metrics"]
+           "pass_at_k", "pass_at_k_curve", "per_seed_counts", "pooled_difference", "seed_verdict", "state_forms",
+           "states_match", "summarize", "world_model_metrics"]
 
 # ---- Pass@k ----------------------------------------------------------------------------------
 
@@ -99,6 +102,43 @@ def paired_difference(first: Sequence[Mapping[str, int]], second: Sequence[Mappi
         return None
     diffs = [[pass_at_k(*b[s], k) - pass_at_k(*a[s], k)] for s in shared]
     return bootstrap(diffs, resamples=resamples, seed=seed)[0]
+
+
+def pooled_difference(first: Sequence[Sequence[Mapping[str, int]]], second: Sequence[Sequence[Mapping[str, int]]],
+                      k: int, *, resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float] | None:
+    """Pass@k of the runs `second` minus that of the runs `first` (each a report's ``per_seed``
+    rows; several runs of one arm, e.g. its RL seeds, or one), with a 95% percentile interval.
+
+    Each side's figure for a puzzle is the mean over its runs of that puzzle's Pass@k, so every run
+    weighs the same; the puzzles are those every run was evaluated on, resampled with replacement
+    as in `paired_difference` (which this is for one run a side). The interval covers which
+    puzzles were drawn and the samples on them, not how much another training run would differ:
+    a few runs cannot estimate that, and `seed_verdict` asks instead that none disagrees.
+    ``None`` when the runs share no puzzle or a shared one has fewer than k samples in some run."""
+    sides = [[{row["seed"]: (row["n"], row["successes"]) for row in run} for run in runs] for runs in (first, second)]
+    shared = sorted(set.intersection(*(set(run) for runs in sides for run in runs)))
+    if not shared or min(run[s][0] for runs in sides for run in runs for s in shared) < k:
+        return None
+
+    def side_mean(runs: list[dict[int, tuple[int, int]]], puzzle: int) -> float:
+        return math.fsum(pass_at_k(*run[puzzle], k) for run in runs) / len(runs)
+
+    diffs = [[side_mean(sides[1], s) - side_mean(sides[0], s)] for s in shared]
+    return bootstrap(diffs, resamples=resamples, seed=seed)[0]
+
+
+def seed_verdict(pooled: tuple[float, float, float] | None, runs: Sequence[float]) -> str:
+    """Whether B differs from A, from `pooled_difference` and each run's own difference (each run of
+    one side against all runs of the other): "higher" or "lower" when the pooled interval excludes
+    0 and every run's difference has its sign, "not shown" otherwise: a conclusion that flips
+    between runs is not one."""
+    if pooled is None:
+        return "not shown"
+    _, low, high = pooled
+    sign = 1 if low > 0 else -1 if high < 0 else 0
+    if sign == 0 or any(difference * sign <= 0 for difference in runs):
+        return "not shown"
+    return "higher" if sign > 0 else "lower"
 
 
 def pass_at_k_band(per_seed: Sequence[Mapping[str, int]], *, resamples: int = 2_000,

@@ -144,5 +144,34 @@ def compare_rows(paths: Sequence[str | Path], force: bool = False) -> list[dict[
     return rows
 
 
+def seed_comparison(first: Sequence[str | Path], second: Sequence[str | Path], force: bool = False) -> dict[str, Any]:
+    """B minus A where each side is one or several runs (an arm's RL seeds), for Pass@1 and the
+    reports' Pass@k: every run's own figure and its difference from the other side's runs together,
+    the pooled difference with its 95% interval (`metrics.pooled_difference`) and the verdict
+    (`metrics.seed_verdict`). The reports must be comparable (`check_comparable`) unless `force`."""
+    if not first or not second:
+        raise UserError("a seed comparison needs at least one report on each side (--a and --b)")
+    paths = [*first, *second]
+    reports = [load_report(path) for path in paths]
+    if not force:
+        check_comparable(reports, [str(path) for path in paths])
+    sides = {"A": reports[:len(first)], "B": reports[len(first):]}
+    per_seed = {side: [report.get("per_seed", []) for report in runs] for side, runs in sides.items()}
+    k = min(report["settings"]["k"] for report in reports)
+    figures = {}
+    for shown in sorted({1, k}):
+        runs = []
+        for side, other in (("A", "B"), ("B", "A")):
+            for path, report, rows in zip(first if side == "A" else second, sides[side], per_seed[side]):
+                against = (per_seed[other], [rows]) if side == "B" else ([rows], per_seed[other])
+                paired = metrics.pooled_difference(*against, shown)
+                runs.append({"side": side, "report": str(path), "pass": metrics.pass_at_k_curve(rows).get(shown),
+                             "difference": paired})
+        pooled = metrics.pooled_difference(per_seed["A"], per_seed["B"], shown)
+        differences = [run["difference"][0] for run in runs if run["difference"] is not None]
+        figures[f"pass@{shown}"] = {"runs": runs, "pooled": pooled, "verdict": metrics.seed_verdict(pooled, differences)}
+    return {"a": [str(p) for p in first], "b": [str(p) for p in second], "k": k, "figures": figures}
+
+
 def _paired(first: dict, other: dict, k: int) -> tuple[float, float, float] | None:
     return metrics.paired_difference(first.get("per_seed", []), other.get("per_seed", []), k)

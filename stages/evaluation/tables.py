@@ -68,6 +68,23 @@ def compare_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return markdown_table(headers, cells)
 
 
+def seed_cells(comparison: dict[str, Any]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The headers and cells (percent) of a `reports.seed_comparison`: a line per run with its
+    Pass@k and B minus A for it (a B run against every A run, an A run against every B run), then
+    the pooled difference and the verdict."""
+    figures = comparison["figures"]
+    headers = ("side", "report")
+    for name in figures:
+        headers += (name.replace("pass", "Pass"), f"B minus A, {name.replace('pass', 'Pass')} [95%]")
+    runs = zip(*(figure["runs"] for figure in figures.values()))
+    cells = [(line[0]["side"], line[0]["report"],
+              *(cell for run in line for cell in (_percent(run["pass"]), difference(run["difference"]))))
+             for line in runs]
+    cells.append(("A, B", "pooled", *(cell for figure in figures.values() for cell in ("", difference(figure["pooled"])))))
+    cells.append(("", "verdict: B is", *(cell for figure in figures.values() for cell in ("", figure["verdict"]))))
+    return headers, cells
+
+
 def markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
     """A Markdown table; `|` inside a cell is escaped."""
     def line(values: Sequence[str]) -> str:
