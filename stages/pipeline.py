@@ -851,8 +851,8 @@ def write_table(the_plan: Plan) -> str:
     world-model accuracy, the state perplexity when measured (`eval.state_ppl`: raw grid / with
     coordinates, the paper's Table 1), the headline of the probe of the arm's final model when
     probed (`eval.probe_states`: exact and cell accuracy where the action changes the state, and how
-    often the true next state is more likely than the copy) and each arm's Pass@1 and Pass@k minus
-    the first arm's, with the 95% interval of `spa eval compare` (the same puzzles resampled for both);
+    often the true next state is more likely than the copy) and each arm's Pass@1 and Pass@k (unless
+    k is 1) minus the first arm's, with the 95% interval of `spa eval compare` (the same puzzles resampled for both);
     under it, the PPO steps each RL arm had."""
     from stages import probe
     from stages.evaluation.reports import compare_rows
@@ -864,23 +864,24 @@ def write_table(the_plan: Plan) -> str:
     labels = {arm.name: arm.label or arm.name for arm in the_plan.arms}
     with_ppl = any(row["state_ppl_coords"] is not None for row in rows)
     first = labels[names[0]] if names else "the first arm"
-    header = [the_plan.config.env.name, "Pass@1", f"Pass@{k}", "observation exact", "prediction exact",
-              "prediction exact, state changed", "state changed: grid / coordinates exact", "prediction cells",
-              *(["state PPL raw / coords"] if with_ppl else []),
+    with_k = k != 1  # Pass@1 is its own column
+    header = [the_plan.config.env.name, "Pass@1", *([f"Pass@{k}"] if with_k else []), "observation exact",
+              "prediction exact", "prediction exact, state changed", "state changed: grid / coordinates exact",
+              "prediction cells", *(["state PPL raw / coords"] if with_ppl else []),
               *(PROBE_COLUMNS.values() if the_plan.probes else []), f"Pass@1 vs {first} [95%]",
-              f"Pass@{k} vs {first} [95%]"]
+              *([f"Pass@{k} vs {first} [95%]"] if with_k else [])]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for name, row in zip(names, rows):
-        figures = [*(_percent(row[key]) for key in ("pass@1", "pass@k", "observation_exact", "prediction_exact",
-                                                     "prediction_of_change_exact")),
-                   forms(row), _percent(row["prediction_cells"])]
+        keys = ("pass@1", *(["pass@k"] if with_k else []), "observation_exact", "prediction_exact",
+                "prediction_of_change_exact")
+        figures = [*(_percent(row[key]) for key in keys), forms(row), _percent(row["prediction_cells"])]
         if with_ppl:
             figures.append(f"{_number(row['state_ppl_raw'])} / {_number(row['state_ppl_coords'])}")
         if the_plan.probes:
             report = Path(the_plan.probes[name].config.eval.out)
             headline = probe.headline(probe.load_report(report)) if report.is_file() else {}
             figures += [_percent(headline.get(key)) for key in PROBE_COLUMNS]
-        figures += [difference(row["pass@1_vs_first"]), difference(row["pass@k_vs_first"])]
+        figures += [difference(row["pass@1_vs_first"]), *([difference(row["pass@k_vs_first"])] if with_k else [])]
         lines.append(f"| {labels[name]} | " + " | ".join(figures) + " |")
     table = "\n".join(lines) + "\n"
     if trained := _ppo_budgets(the_plan, names, labels):

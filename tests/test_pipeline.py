@@ -368,6 +368,24 @@ def test_the_table_has_one_row_per_arm_with_paired_differences(finished):
     assert rows[5][8] == f"{100 * diff:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
 
 
+def test_with_one_sample_a_puzzle_the_table_shows_pass_at_1_once(tmp_path):
+    from test_evaluate import write_report
+
+    the_plan = pipeline.plan(load_config(None, [f"pipeline.dir={tmp_path}", "pipeline.arms=[base, state_estimation]",
+                                                "eval.pass_k=1"]))
+    for name, successes in (("base", [0, 1]), ("state_estimation", [1, 1])):
+        out = Path(the_plan.rows[name].config.eval.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        per_seed = [{"seed": seed, "n": 1, "successes": c} for seed, c in zip((123, 124), successes)]
+        write_report(out.parent, out.name, sum(successes) / 2, sum(successes) / 2, per_seed=per_seed, n=1, k=1,
+                     seeds=2, prompt_mode="base", render_mode="coords" if name != "base" else "text")
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in pipeline.write_table(the_plan).splitlines()]
+    assert rows[0] == ["sokoban", "Pass@1", "observation exact", "prediction exact", "prediction exact, state changed",
+                       "state changed: grid / coordinates exact", "prediction cells", "Pass@1 vs base model [95%]"]
+    assert [row[:2] for row in rows[2:]] == [["base model", "50.0"], ["+ State Estimation", "100.0"]]
+    assert rows[3][-1].startswith("+50.0 [")
+
+
 def test_the_run_directory_gets_its_training_curves_and_pass_at_k_plots(finished):
     from helpers import png_size
 
