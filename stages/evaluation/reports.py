@@ -155,19 +155,17 @@ def seed_comparison(first: Sequence[str | Path], second: Sequence[str | Path], f
     reports = [load_report(path) for path in paths]
     if not force:
         check_comparable(reports, [str(path) for path in paths])
-    sides = {"A": reports[:len(first)], "B": reports[len(first):]}
-    per_seed = {side: [report.get("per_seed", []) for report in runs] for side, runs in sides.items()}
+    per_seed = [report.get("per_seed", []) for report in reports]
+    a_runs, b_runs = per_seed[:len(first)], per_seed[len(first):]
     k = min(report["settings"]["k"] for report in reports)
     figures = {}
     for shown in sorted({1, k}):
         runs = []
-        for side, other in (("A", "B"), ("B", "A")):
-            for path, report, rows in zip(first if side == "A" else second, sides[side], per_seed[side]):
-                against = (per_seed[other], [rows]) if side == "B" else ([rows], per_seed[other])
-                paired = metrics.pooled_difference(*against, shown)
-                runs.append({"side": side, "report": str(path), "pass": metrics.pass_at_k_curve(rows).get(shown),
-                             "difference": paired})
-        pooled = metrics.pooled_difference(per_seed["A"], per_seed["B"], shown)
+        for side, path, rows in zip("A" * len(first) + "B" * len(second), paths, per_seed, strict=True):
+            against = ([rows], b_runs) if side == "A" else (a_runs, [rows])
+            runs.append({"side": side, "report": str(path), "pass": metrics.pass_at_k_curve(rows).get(shown),
+                         "difference": metrics.pooled_difference(*against, shown)})
+        pooled = metrics.pooled_difference(a_runs, b_runs, shown)
         differences = [run["difference"][0] for run in runs if run["difference"] is not None]
         figures[f"pass@{shown}"] = {"runs": runs, "pooled": pooled, "verdict": metrics.seed_verdict(pooled, differences)}
     return {"a": [str(p) for p in first], "b": [str(p) for p in second], "k": k, "figures": figures}
