@@ -121,8 +121,11 @@ def test_a_launched_rank_waits_for_the_others_and_exits_at_once_after_a_stage_th
     calls = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
     monkeypatch.setattr(distributed.os, "_exit", lambda status: calls.append(f"exit {status}"))
-    store = torch.distributed.HashStore()
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    # a stage run earlier in this process keeps its one-rank group (`distributed`), which serves
+    # ours; a group made here is ours to end
+    made_here = not torch.distributed.is_initialized()
+    if made_here:
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     try:
         monkeypatch.setenv("WORLD_SIZE", "1")
         assert main.user_errors(lambda: "done")() == "done" and calls == []
@@ -134,7 +137,8 @@ def test_a_launched_rank_waits_for_the_others_and_exits_at_once_after_a_stage_th
             main.user_errors(lambda: main._fail("bad input"))()
         assert failed.value.exit_code == 2 and calls == []  # a failed stage neither waits nor exits early
     finally:
-        torch.distributed.destroy_process_group()
+        if made_here:
+            torch.distributed.destroy_process_group()
 
 
 def test_envs_lists_the_games(monkeypatch):
