@@ -75,8 +75,8 @@ def main() -> None:
         count = config.eval.seeds if args.seeds is None else args.seeds
         if count < 1:
             raise UserError(f"--seeds must be at least 1, got {count}")
-        print(json.dumps({"game_budget": move_budget(config),
-                          **reach(shortest_solutions(config, range(first, first + count)), move_budget(config))}))
+        budget = move_budget(config)
+        print(json.dumps({"game_budget": budget, **reach(shortest_solutions(config, range(first, first + count)), budget)}))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
