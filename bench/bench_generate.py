@@ -14,6 +14,8 @@ generation backend differs:
   engine's;
 * ``engine_stock``: the engine with PyTorch's own kernels for its linear layers instead of
   oneDNN's on reordered weights (`stages.common.kernels.linear`; the two are the same on a GPU);
+* ``engine_transformers_forward``: the engine with transformers' own forward for its decode steps
+  instead of `stages.common.kernels.decode.DecodeStep`'s loop over the layers;
 * ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
   rows share (the instruction) in each attention, instead of reading them once for all rows
   (`stages.common.kernels.attention.shared_prefix_attention`);
@@ -91,11 +93,13 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.agent.backends.hf import HFBackend
     from stages.agent.proxy import play
     from stages.common.config import load_config
-    from stages.common.kernels import linear
+    from stages.common.kernels import decode, linear
     from stages.common.models import load_model
     from stages.training.engine import autocast
 
     linear.enabled = variant != "engine_stock"
+    if variant == "engine_transformers_forward":
+        decode.DecodeStep.applies = staticmethod(lambda model: False)
     if variant == "engine_copied_prefix":
         HFBackend._shared_columns = lambda self, rows: 0  # no columns declared shared: each row reads its own
     episodes = args.batch
@@ -193,6 +197,9 @@ def main() -> None:
             runs["engine_vs_vllm_tokens_per_s"] = round(engine["tokens_per_s"] / runs["vllm"]["tokens_per_s"], 2)
         if engine and "engine_stock" in runs:
             runs["engine_vs_stock_tokens_per_s"] = round(engine["tokens_per_s"] / runs["engine_stock"]["tokens_per_s"], 2)
+        if engine and "engine_transformers_forward" in runs:
+            rate = engine["tokens_per_s"] / runs["engine_transformers_forward"]["tokens_per_s"]
+            runs["engine_vs_transformers_forward_tokens_per_s"] = round(rate, 2)
         if engine and "engine_copied_prefix" in runs:
             rate = engine["tokens_per_s"] / runs["engine_copied_prefix"]["tokens_per_s"]
             runs["engine_vs_copied_prefix_tokens_per_s"] = round(rate, 2)

@@ -28,10 +28,17 @@ medians over the rest. Variants (`ppo.*` settings):
 * ``packed_stock_linears``: packed, with PyTorch's own kernels for the linear layers in the
   rollouts and the update instead of oneDNN's (`stages.common.kernels.linear`; CPU only): what those
   save in each phase;
+* ``packed_transformers_forward``: packed, with transformers' own forward for the rollouts' decode
+  steps instead of `stages.common.kernels.decode.DecodeStep` (CPU only): what that saves the
+  rollout phase;
 * ``packed_vllm``: packed, with vLLM's rollouts (``rollout.backend=vllm``, where vLLM is
   installed; fp32): the engine starts with the run and its start-up is in no phase; the update
   phase includes pushing the new weights into it. Its samples are vLLM's, so its step-1 losses
   are not compared.
+
+``--config`` runs the steps with a config file's settings instead of the small ones (the model and
+dtype still the benchmark's): e.g. ``configs/repro_cpu/rl_frozen_lake.yaml``, the RL of ``make
+repro-cpu``, from the base model rather than an SFT checkpoint (the same shapes, so the same speed).
 
 Each variant runs in a fresh interpreter, one after another, so a crash costs only its own figures.
 
@@ -70,10 +77,13 @@ VARIANTS = {
     "packed_shared_critic": ["ppo.share_prefix=true", "ppo.critic=shared"],
     "cheapest": ["ppo.share_prefix=true", "ppo.old_logprobs=sampler", *LORA, "ppo.critic=shared"],
     "packed_stock_linears": ["ppo.share_prefix=true"],
+    "packed_transformers_forward": ["ppo.share_prefix=true"],
     "packed_vllm": ["ppo.share_prefix=true", "rollout.backend=vllm"],
 }
 #: Variants whose rollouts run the linear layers on PyTorch's own kernels (see the docstring).
 STOCK_LINEARS = ("packed_stock_linears",)
+#: Variants whose rollouts decode with transformers' forward (see the docstring).
+TRANSFORMERS_FORWARD = ("packed_transformers_forward",)
 #: Variants whose step-1 rollouts are not the hf backend's samples (another sampler): not compared.
 OTHER_SAMPLER = ("packed_vllm",)
 #: Step-1 figures every variant must reproduce (relative difference). Not ppo_kl: with trainer
@@ -89,16 +99,17 @@ def measure(args: argparse.Namespace, dtype: str, variant: list[str]) -> tuple[d
     from stages import ppo
     from stages.common.config import load_config
 
-    episodes = args.groups * args.group_size
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ppo"
-        config = load_config(None, [
-            f"model.name={args.model}", f"model.dtype={dtype}", f"env.name={args.env}", f"ppo.out={out}",
-            "quiet=true", f"rollout.groups={args.groups}", f"rollout.group_size={args.group_size}",
-            f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_turns={args.max_turns}",
-            f"ppo.steps={args.steps}", "ppo.filter_ratio=1.0", f"ppo.mini_batch={episodes}",
-            "ppo.val_every=0", f"ppo.save_every={args.steps + 1}", *variant,
-        ])
+        run = [f"model.name={args.model}", f"model.dtype={dtype}", f"ppo.out={out}", "quiet=true",
+               f"ppo.steps={args.steps}", "ppo.val_every=0", f"ppo.save_every={args.steps + 1}"]
+        if not args.config:
+            episodes = args.groups * args.group_size
+            run += [f"env.name={args.env}", f"rollout.groups={args.groups}", f"rollout.group_size={args.group_size}",
+                    f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_turns={args.max_turns}",
+                    "ppo.filter_ratio=1.0", f"ppo.mini_batch={episodes}"]
+        config = load_config(args.config, [*run, *variant])
+        episodes = config.rollout.groups * config.rollout.group_size
         start = time.perf_counter()
         ppo.run(config)
         wall = time.perf_counter() - start
@@ -122,7 +133,7 @@ def run_child(args: argparse.Namespace, name: str, dtype: str) -> dict:
     row, or the error it ended with."""
     argv = [f"--model={args.model}", f"--env={args.env}", f"--steps={args.steps}", f"--groups={args.groups}",
             f"--group-size={args.group_size}", f"--max-new-tokens={args.max_new_tokens}",
-            f"--max-turns={args.max_turns}"]
+            f"--max-turns={args.max_turns}", *([f"--config={args.config}"] if args.config else [])]
     proc = subprocess.run([sys.executable, __file__, *argv, "--child", name, "--child-dtype", dtype],
                           capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
@@ -141,6 +152,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-turns", type=int, default=2)
+    parser.add_argument("--config", help="a config file whose settings the steps run with (see the docstring)")
     parser.add_argument("--dtype", action="append", choices=("auto", "float32", "bfloat16"),
                         help="model.dtype to measure (repeatable; default auto: what this CPU runs faster)")
     parser.add_argument("--variant", action="append", choices=tuple(VARIANTS),
@@ -149,9 +161,11 @@ def main() -> None:
     parser.add_argument("--child-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        from stages.common.kernels import linear
+        from stages.common.kernels import decode, linear
 
         linear.enabled = args.child not in STOCK_LINEARS
+        if args.child in TRANSFORMERS_FORWARD:
+            decode.DecodeStep.applies = staticmethod(lambda model: False)
         figures, first_row = measure(args, args.child_dtype, VARIANTS[args.child])
         print(json.dumps({"figures": figures, "first_row": first_row}))
         return
@@ -160,11 +174,12 @@ def main() -> None:
 
     from stages.common.models import pick_dtype
 
-    result = {
-        "model": args.model, "env": args.env, "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "steps": args.steps, "episodes_per_step": args.groups * args.group_size, "max_turns": args.max_turns,
-        "max_new_tokens": args.max_new_tokens,
-    }
+    result = {"model": args.model, "device": "cuda" if torch.cuda.is_available() else "cpu", "steps": args.steps}
+    if args.config:
+        result["config"] = args.config
+    else:
+        result |= {"env": args.env, "episodes_per_step": args.groups * args.group_size, "max_turns": args.max_turns,
+                   "max_new_tokens": args.max_new_tokens}
     for dtype in args.dtype or ["auto"]:
         resolved = str(pick_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
         runs, first_rows, failed = {}, {}, {}

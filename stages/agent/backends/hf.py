@@ -26,7 +26,9 @@ row's last prompt token), then decoding appends one column per step. Padding *in
 row is harmless: pads are masked out and skipped by the position ids, so each real token sees
 exactly the tokens and positions it would see in a from-scratch prefill. Rows that finish early
 leave the batch once enough of them have (their KV copied out first, then the rest into slabs of
-their own, `batch_select_indices`), so late steps run narrower.
+their own, `batch_select_indices`), so late steps run narrower. On a CPU a decode step of a Llama,
+Mistral or Qwen2 model runs as `stages.common.kernels.decode.DecodeStep`'s loop over the layers
+instead of transformers' forward: the same arithmetic with fewer operators.
 
 After a call, each request's key maps to a ``_Cached`` (unless the request was its episode's last
 turn, `GenerationRequest.last_turn`, whose KV nothing will read): the tokens whose KV is stored
@@ -71,6 +73,7 @@ from stages.agent.backends.base import (
 )
 from stages.common import rss
 from stages.common.errors import UserError
+from stages.common.kernels.decode import DecodeStep
 from stages.common.kernels.linear import PackedLinears
 from stages.common.models import kept_columns
 from stages.common.prefix_tree import common_prefix_len
@@ -484,6 +487,7 @@ class HFBackend:
         alive = [True] * n  # per batch row: still generating
         pos = torch.tensor([len(row.prompt) for row in rows], device=device)[:, None]
         column = cache.layers[0].length  # next slab column to fill
+        decode_step = DecodeStep(self.model) if device.type == "cpu" and DecodeStep.applies(self.model) else None
         for step in range(params.max_new_tokens):
             token, logprob = _sample(logits, params, generator)
             token_list, logprob_list = token.tolist(), logprob.tolist()
@@ -522,9 +526,12 @@ class HFBackend:
             else:
                 mask[:, column] = True
             attention = mask[:, None, None, :column + 1] if self._mask_4d else mask[:, :column + 1]
-            out = self.model(input_ids=token[:, None], position_ids=pos, attention_mask=attention,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1, **cache.model_kwargs())
-            logits = out.logits[:, -1].float()
+            if decode_step is not None:
+                logits = decode_step(token[:, None], pos, cache, attention, cache.shared).float()
+            else:
+                out = self.model(input_ids=token[:, None], position_ids=pos, attention_mask=attention,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1, **cache.model_kwargs())
+                logits = out.logits[:, -1].float()
             pos += 1
             column += 1
             self.stats["decode_steps"] += 1

@@ -6,6 +6,8 @@
   the kernels it calls: prefix-tree-packed rows, a decode step's grouped heads without a KV copy,
   the columns every row shares read once for all rows, a prefill over cached keys as oneDNN
   products.
+* `decode`: a decode step of a Llama-family model as one loop over its layers on its own weights,
+  with fewer operators and none of transformers' per-module machinery (the hf backend's, on a CPU).
 
 Each gives what PyTorch's or transformers' own kernel gives, up to rounding, and applies only
 where it can run (a CPU, PyTorch built with oneDNN, the dtypes it handles); elsewhere the

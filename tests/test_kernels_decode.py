@@ -1,0 +1,157 @@
+"""`stages.common.kernels.decode.DecodeStep`: the decode step computed as one loop over the layers
+gives transformers' forward's logits (up to float32 rounding), and the hf backend decodes with it."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from helpers import lively_model
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from stages.agent.backends import GenerationRequest, SamplingParams
+from stages.agent.backends.hf import HFBackend
+from stages.common.kernels import attention as attention_kernels
+from stages.common.kernels import decode
+from stages.common.kernels.linear import PackedLinears
+from stages.common.models import load_tokenizer
+
+EPS = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+def qwen2_model(vocab: int, seed: int = 0):
+    """A 2-layer random Qwen2 (biases on the query, key and value projections), weights scaled up as
+    `lively_model`'s are."""
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2, generator=generator)
+    return model.eval()
+
+
+def one_step_both_ways(model, shared: int):
+    """A 4-row batch (the first `shared` tokens common to all rows, then different lengths, left
+    padded) prefilled by the model, then one token decoded by the model's forward and by
+    `DecodeStep` from copies of that cache: (reference logits, DecodeStep's logits)."""
+    attention_kernels.register_spa_sdpa()
+    rng = random.Random(3)
+    common = [rng.randrange(1, 1000) for _ in range(shared)]
+    tails = [[rng.randrange(1, 1000) for _ in range(n)] for n in (9, 4, 12, 7)]
+    width = max(len(t) for t in tails)
+    ids = torch.zeros(4, shared + width, dtype=torch.long)
+    mask = torch.zeros(4, shared + width + 1, dtype=torch.bool)
+    pos = torch.zeros(4, shared + width, dtype=torch.long)
+    for i, tail in enumerate(tails):
+        ids[i, :shared] = torch.tensor(common, dtype=torch.long)
+        ids[i, shared + width - len(tail):] = torch.tensor(tail)
+        mask[i, :shared] = True
+        mask[i, shared + width - len(tail):] = True
+        pos[i, shared + width - len(tail):] = torch.arange(shared, shared + len(tail))
+    pos[:, :shared] = torch.arange(shared)
+    extra = {"shared_columns": shared} if shared else {}
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, position_ids=pos, attention_mask=mask[:, :-1].long(), past_key_values=cache,
+              use_cache=True)
+        token = torch.tensor([[11], [22], [33], [44]])
+        position = pos[:, -1:] + 1
+        mask[:, -1] = True
+        step_mask = mask[:, None, None, :]
+        reference = model(input_ids=token, position_ids=position, attention_mask=step_mask,
+                          past_key_values=copy.deepcopy(cache), use_cache=True, **extra).logits[:, -1]
+        ours = decode.DecodeStep(model)(token, position, copy.deepcopy(cache), step_mask, shared)
+    return reference, ours
+
+
+def assert_close_in_float32(reference, ours, layers: int):
+    """Within the rounding of a float32 forward: each layer's reordered operations differ by a
+    few units of the last place, relative to the logits' size."""
+    bound = 64 * layers * EPS * reference.abs().max()
+    assert (ours - reference).abs().max() <= bound
+
+
+@pytest.mark.parametrize("shared", [0, 6])
+def test_a_llama_decode_step_gives_the_forwards_logits(tokenizer, shared):
+    model = lively_model(tokenizer, heads=4, kv_heads=2)
+    model.set_attn_implementation("sdpa")
+    assert decode.DecodeStep.applies(model)
+    reference, ours = one_step_both_ways(model, shared)
+    assert_close_in_float32(reference, ours, 2)
+    assert torch.equal(reference.argmax(-1), ours.argmax(-1))
+
+
+@pytest.mark.parametrize("shared", [0, 6])
+def test_a_qwen2_decode_step_with_projection_biases_gives_the_forwards_logits(shared):
+    model = qwen2_model(vocab=1000)
+    assert decode.DecodeStep.applies(model)
+    reference, ours = one_step_both_ways(model, shared)
+    assert_close_in_float32(reference, ours, 2)
+
+
+def test_a_decode_step_on_packed_weights_gives_the_forwards_logits(tokenizer):
+    """Inside `PackedLinears.active` the step's products are oneDNN's on the reordered weights."""
+    model = lively_model(tokenizer, heads=4, kv_heads=2)
+    model.set_attn_implementation("sdpa")
+    with PackedLinears(model).active():
+        reference, ours = one_step_both_ways(model, 6)
+    assert_close_in_float32(reference, ours, 2)
+
+
+def test_the_rotation_is_transformers_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 4, 1, 16, generator=generator), torch.randn(3, 2, 1, 16, generator=generator)
+    angles = torch.rand(3, 1, 16, generator=generator) * 6
+    cos, sin = angles.cos(), angles.sin()
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    signed_sin = torch.cat((-sin[..., :8], sin[..., 8:]), -1)[:, None]
+    assert torch.equal(decode._rotated(q, cos[:, None], signed_sin, 8), q_ref)
+    assert torch.equal(decode._rotated(k, cos[:, None], signed_sin, 8), k_ref)
+
+
+def test_a_model_with_hooks_or_another_attention_keeps_transformers_forward(tokenizer):
+    model = lively_model(tokenizer)
+    model.set_attn_implementation("sdpa")
+    assert decode.DecodeStep.applies(model)
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(lambda *_: None)
+    assert not decode.DecodeStep.applies(model)
+    handle.remove()
+    model.set_attn_implementation("eager")
+    assert not decode.DecodeStep.applies(model)
+
+
+def test_the_hf_backend_decodes_with_it_and_picks_generates_greedy_tokens(tokenizer, monkeypatch):
+    """Every decode step of a CPU call goes through `DecodeStep`; the greedy tokens are transformers'
+    own `generate`'s, one request at a time."""
+    attention_kernels.register_spa_sdpa()
+    model = lively_model(tokenizer, heads=4, kv_heads=2)
+    model.set_attn_implementation("sdpa")
+    steps = []
+    real = decode.DecodeStep.__call__
+    monkeypatch.setattr(decode.DecodeStep, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or real(self, *a))
+    rng = random.Random(4)
+    instruction = [rng.randrange(100, 40000) for _ in range(30)]
+    requests = [GenerationRequest(f"a{i}", instruction + [rng.randrange(100, 40000) for _ in range(n)])
+                for i, n in enumerate([20, 7, 33])]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
+    outputs = HFBackend(model, tokenizer).generate(requests, params)
+    assert steps and steps[0] == 3
+    for request, out in zip(requests, outputs):
+        ids = request.prompt_ids
+        with torch.inference_mode():
+            reference = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       do_sample=False, max_new_tokens=params.max_new_tokens,
+                                       pad_token_id=tokenizer.pad_token_id)
+        assert out.token_ids == reference[0, len(ids):].tolist()
