@@ -132,26 +132,28 @@ def test_a_model_with_hooks_or_another_attention_keeps_transformers_forward(toke
     assert not decode.DecodeStep.applies(model)
 
 
-def test_the_hf_backend_decodes_with_it_and_picks_generates_greedy_tokens(tokenizer, monkeypatch):
-    """Every decode step of a CPU call goes through `DecodeStep`; the greedy tokens are transformers'
-    own `generate`'s, one request at a time."""
+def test_the_hf_backend_decodes_every_step_with_it_and_samples_what_transformers_forward_does(tokenizer,
+                                                                                               monkeypatch):
+    """Every decode step of a CPU call goes through `DecodeStep`, and the sampled tokens and their
+    log-probs are those of the same call decoding with transformers' forward (the greedy tokens
+    against transformers' own `generate`: tests/test_backends.py)."""
     attention_kernels.register_spa_sdpa()
     model = lively_model(tokenizer, heads=4, kv_heads=2)
     model.set_attn_implementation("sdpa")
-    steps = []
-    real = decode.DecodeStep.__call__
-    monkeypatch.setattr(decode.DecodeStep, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or real(self, *a))
     rng = random.Random(4)
     instruction = [rng.randrange(100, 40000) for _ in range(30)]
     requests = [GenerationRequest(f"a{i}", instruction + [rng.randrange(100, 40000) for _ in range(n)])
                 for i, n in enumerate([20, 7, 33])]
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, stop=())
-    outputs = HFBackend(model, tokenizer).generate(requests, params)
-    assert steps and steps[0] == 3
-    for request, out in zip(requests, outputs):
-        ids = request.prompt_ids
-        with torch.inference_mode():
-            reference = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                       do_sample=False, max_new_tokens=params.max_new_tokens,
-                                       pad_token_id=tokenizer.pad_token_id)
-        assert out.token_ids == reference[0, len(ids):].tolist()
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop=(), seed=7)
+    steps = []
+    real = decode.DecodeStep.__call__
+    monkeypatch.setattr(decode.DecodeStep, "__call__", lambda self, *a: steps.append(a[0].shape[0]) or real(self, *a))
+    backend = HFBackend(model, tokenizer)
+    ours = backend.generate(requests, params)
+    assert len(steps) == backend.stats["decode_steps"] > 0 and steps[0] == 3
+    monkeypatch.setattr(decode.DecodeStep, "applies", staticmethod(lambda model: False))
+    reference = HFBackend(model, tokenizer).generate(requests, params)
+    assert len(steps) == backend.stats["decode_steps"]  # no more steps through it
+    for out, ref in zip(ours, reference):
+        assert out.token_ids == ref.token_ids
+        assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-4)  # float32 rounding of the logits
