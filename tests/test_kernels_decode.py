@@ -18,6 +18,7 @@ from stages.common.kernels import attention as attention_kernels
 from stages.common.kernels import decode
 from stages.common.kernels.linear import PackedLinears
 from stages.common.models import load_tokenizer
+from stages.training.trainable import enable_checkpointing
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -121,13 +122,18 @@ def test_the_rotation_is_transformers_bit_for_bit():
     assert torch.equal(decode._rotated(k, cos[:, None], signed_sin, 8), k_ref)
 
 
-def test_a_model_with_hooks_or_another_attention_keeps_transformers_forward(tokenizer):
+def test_a_model_with_hooks_or_another_attention_keeps_transformers_forward_but_checkpointing_does_not(tokenizer):
     model = lively_model(tokenizer)
     model.set_attn_implementation("sdpa")
     assert decode.DecodeStep.applies(model)
     handle = model.model.layers[1].mlp.register_forward_pre_hook(lambda *_: None)
     assert not decode.DecodeStep.applies(model)
     handle.remove()
+    handle = model.model.embed_tokens.register_forward_hook(lambda *_: None)
+    assert not decode.DecodeStep.applies(model)
+    handle.remove()
+    enable_checkpointing(model)  # transformers' own hook on the embeddings, which decoding does not need
+    assert model.model.embed_tokens._forward_hooks and decode.DecodeStep.applies(model)
     model.set_attn_implementation("eager")
     assert not decode.DecodeStep.applies(model)
 

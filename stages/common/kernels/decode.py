@@ -53,11 +53,15 @@ class DecodeStep:
     def applies(model) -> bool:
         """Whether `DecodeStep` computes this model's decode step (see the module docstring). A model
         with hooks on its modules (DeepSpeed ZeRO-3 gathers its weights in them; tools observe
-        forwards through them) keeps transformers' forward, which calls them."""
+        forwards through them) keeps transformers' forward, which calls them; the one hook
+        transformers adds for gradient checkpointing (its embeddings' output made to require
+        gradients, which decoding never takes) does not count."""
         config = model.config
         if type(model).__name__ not in ARCHITECTURES or getattr(config, "_attn_implementation", None) != "sdpa":
             return False
-        if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        checkpointing = getattr(model, "_require_grads_hook", None)
+        allowed = {checkpointing.id} if checkpointing is not None else set()
+        if any(set(m._forward_hooks) - allowed or m._forward_pre_hooks for m in model.modules()):
             return False
         if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
             return False
