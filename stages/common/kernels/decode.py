@@ -1,13 +1,13 @@
 """One decode step of a Llama-family model, run as one loop over its layers on the model's own weights.
 
 transformers runs a generated token through a tree of modules: per layer a dozen module calls,
-each norm six operators, each rotary embedding five per tensor, a mask built per call, keyword
+each norm six operators, each rotary embedding seven per tensor, a mask built per call, keyword
 arguments threaded through every level. On a CPU, where a small model's decode step takes tens of
 milliseconds, that machinery and those operators are a large share of the step beside the
 products and attention kernels (docs/results.md, *The engine's ceiling*). `DecodeStep` computes
 the same step with the same weights and kernels as a flat loop:
 
-* the norms as `torch.nn.functional.rms_norm`, one operator each;
+* the norms as `torch.nn.functional.rms_norm`, one call each;
 * the rotary embedding as ``x * cos + roll(x) * signed_sin``, the halves swapped by one ``roll``
   and the sign folded into the sine once per step, not per layer;
 * the linear layers through each module's ``forward`` as it stands, which inside
@@ -19,10 +19,11 @@ the same step with the same weights and kernels as a flat loop:
 
 It applies to the classes named in `ARCHITECTURES` (Llama, Mistral, Qwen2: pre-norm decoder
 layers, SiLU-gated MLP, rotary embeddings, no score extras) with full attention, SDPA as the
-attention and no module hooks; `DecodeStep.applies` says so for a model, and any other keeps
-transformers' forward. The hf backend uses it on a CPU only, where it is tested. The
-outputs equal that forward's up to float rounding: the fused norm and the rotary's reordering
-change the last bits, not the arithmetic (tests/test_kernels_decode.py).
+attention and no module hooks (but the one transformers adds for gradient checkpointing);
+`DecodeStep.applies` says so for a model, and any other keeps transformers' forward. The hf backend
+uses it on a CPU only, where it is tested. The outputs equal that forward's up to float rounding:
+the rotation is bit for bit transformers', the fused norm may change the last bits
+(tests/test_kernels_decode.py).
 """
 
 from __future__ import annotations
