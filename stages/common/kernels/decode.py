@@ -18,10 +18,10 @@ the same step with the same weights and kernels as a flat loop:
   additive once per step, not once per layer.
 
 It applies to the classes named in `ARCHITECTURES` (Llama, Mistral, Qwen2: pre-norm decoder
-layers, SiLU-gated MLP, rotary embeddings, no score extras) with full attention, SDPA as the
-attention and no module hooks (but the one transformers adds for gradient checkpointing);
-`DecodeStep.applies` says so for a model, and any other keeps transformers' forward. The hf backend
-uses it on a CPU only, where it is tested. The outputs equal that forward's up to float rounding:
+layers, SiLU-gated MLP, rotary embeddings, no score extras; full attention, which the hf backend
+already requires of every model) with SDPA as the attention and no module hooks (but the one
+transformers adds for gradient checkpointing); `DecodeStep.applies` says so for a model, and any
+other keeps transformers' forward. The hf backend uses it on a CPU only, where it is tested. The outputs equal that forward's up to float rounding:
 the rotation is bit for bit transformers', the fused norm may change the last bits
 (tests/test_kernels_decode.py).
 """
@@ -58,17 +58,12 @@ class DecodeStep:
         transformers adds for gradient checkpointing (its embeddings' output made to require
         gradients, which decoding never takes) does not count."""
         config = model.config
-        if type(model).__name__ not in ARCHITECTURES or getattr(config, "_attn_implementation", None) != "sdpa":
+        if (type(model).__name__ not in ARCHITECTURES or getattr(config, "_attn_implementation", None) != "sdpa"
+                or getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1):
             return False
         checkpointing = getattr(model, "_require_grads_hook", None)
         allowed = {checkpointing.id} if checkpointing is not None else set()
-        if any(set(m._forward_hooks) - allowed or m._forward_pre_hooks for m in model.modules()):
-            return False
-        if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
-            return False
-        sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-        return not sliding and all(t == "full_attention" for t in layer_types)
+        return not any(set(m._forward_hooks) - allowed or m._forward_pre_hooks for m in model.modules())
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, mask: torch.Tensor,
                  shared_columns: int) -> torch.Tensor:
