@@ -16,6 +16,10 @@ generation backend differs:
   oneDNN's on reordered weights (`stages.common.kernels.linear`; the two are the same on a GPU);
 * ``engine_transformers_forward``: the engine with transformers' own forward for its decode steps
   instead of `stages.common.kernels.decode.DecodeStep`'s loop over the layers;
+* ``engine_onednn_prefill_attention``: the engine with its prefills' attention over cached keys as
+  oneDNN's products (`stages.common.kernels.attention.onednn_masked_attention`) on any CPU, not only
+  where PyTorch runs AVX512 kernels (`onednn_prefill_attention_pays`): what that choice saves on an
+  AVX2-only CPU (on an AVX512 one the two variants are the same);
 * ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
   rows share (the instruction) in each attention, instead of reading them once for all rows
   (`stages.common.kernels.attention.shared_prefix_attention`);
@@ -93,13 +97,15 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.agent.backends.hf import HFBackend
     from stages.agent.proxy import play
     from stages.common.config import load_config
-    from stages.common.kernels import decode, linear
+    from stages.common.kernels import attention, decode, linear
     from stages.common.models import load_model
     from stages.training.engine import autocast
 
     linear.enabled = variant != "engine_stock"
     if variant == "engine_transformers_forward":
         decode.DecodeStep.applies = staticmethod(lambda model: False)
+    if variant == "engine_onednn_prefill_attention":
+        attention.onednn_prefill_attention_pays = linear.onednn_enabled
     if variant == "engine_copied_prefix":
         HFBackend._shared_columns = lambda self, rows: 0  # no columns declared shared: each row reads its own
     episodes = args.batch
@@ -193,16 +199,11 @@ def main() -> None:
                 if variant != "naive" or batch == min(batches)}
         result[f"batch_{batch}"] = runs
         engine = runs.get("engine")
-        if engine and "vllm" in runs:
-            runs["engine_vs_vllm_tokens_per_s"] = round(engine["tokens_per_s"] / runs["vllm"]["tokens_per_s"], 2)
-        if engine and "engine_stock" in runs:
-            runs["engine_vs_stock_tokens_per_s"] = round(engine["tokens_per_s"] / runs["engine_stock"]["tokens_per_s"], 2)
-        if engine and "engine_transformers_forward" in runs:
-            rate = engine["tokens_per_s"] / runs["engine_transformers_forward"]["tokens_per_s"]
-            runs["engine_vs_transformers_forward_tokens_per_s"] = round(rate, 2)
-        if engine and "engine_copied_prefix" in runs:
-            rate = engine["tokens_per_s"] / runs["engine_copied_prefix"]["tokens_per_s"]
-            runs["engine_vs_copied_prefix_tokens_per_s"] = round(rate, 2)
+        for other in ("vllm", "engine_stock", "engine_transformers_forward", "engine_onednn_prefill_attention",
+                      "engine_copied_prefix"):
+            if engine and other in runs:
+                rate = engine["tokens_per_s"] / runs[other]["tokens_per_s"]
+                runs[f"engine_vs_{other.removeprefix('engine_')}_tokens_per_s"] = round(rate, 2)
         if engine and "naive" in runs:
             runs["speedup_tokens_per_s"] = round(engine["tokens_per_s"] / runs["naive"]["tokens_per_s"], 2)
             runs["speedup_episodes_per_min"] = round(engine["episodes_per_min"] / runs["naive"]["episodes_per_min"], 2)

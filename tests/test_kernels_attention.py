@@ -141,6 +141,30 @@ def test_a_prefill_over_cached_keys_without_onednn_is_sdpas(monkeypatch):
     torch.testing.assert_close(ours, stock, rtol=0, atol=5e-6)
 
 
+@pytest.mark.parametrize("capability", ["AVX512", "AVX2"])
+def test_a_prefill_over_cached_keys_takes_onednn_only_on_avx512(monkeypatch, capability):
+    """spa's SDPA computes a float32 prefill over cached keys with oneDNN's products where PyTorch
+    runs AVX512 kernels and with SDPA's kernel on an AVX2-only CPU (simulated by the capability
+    PyTorch reports); transformers' result either way."""
+    from stages.common.kernels import attention
+
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return onednn_masked_attention(*args)
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(attention, "onednn_masked_attention", spy)
+    module, query, key, value, keep = masked_prefill()
+    with torch.no_grad():
+        ours, _ = spa_sdpa(module, query, key, value, keep, scaling=0.3)
+    stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.3)
+    assert len(calls) == (capability == "AVX512")
+    # Averages of values of magnitude < 5 over 9 columns, in float32.
+    torch.testing.assert_close(ours, stock, rtol=0, atol=5e-6)
+
+
 def test_grouped_heads_decode_as_with_eager_attention():
     """Greedy decoding of a grouped-query model with "sdpa" as `load_model` sets it up (so through
     `grouped_query_sdpa` where transformers lacks its own fix) produces the tokens and scores of the

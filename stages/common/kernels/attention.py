@@ -31,8 +31,10 @@ which at a decode step's shape (a few queries a key/value head) beat SDPA's CPU 
 
 A masked prefill over cached keys on a CPU in float32 (outside autograd) multiplies its scores and
 values with oneDNN (`onednn_masked_attention`), as `stages.common.kernels.linear` does the linear
-layers', instead of SDPA's CPU kernel, whose blocks go through the BLAS; a PyTorch built without
-oneDNN keeps SDPA's.
+layers', instead of SDPA's CPU kernel, whose blocks go through the BLAS, where PyTorch runs AVX512
+kernels (`onednn_prefill_attention_pays`): there oneDNN's products outrun those blocks, while on a
+CPU with AVX2 only SDPA's kernel is the faster (docs/results.md, *Attention kernels by CPU*). A
+PyTorch built without oneDNN keeps SDPA's.
 """
 
 from __future__ import annotations
@@ -74,13 +76,21 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         if shared_columns and query.shape[2] == 1:
             return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
         # A prefill over cached keys (the hf backend's); a whole sequence at once stays SDPA's.
-        if 1 < query.shape[2] < key.shape[2] and query.dtype == torch.float32 and linear.onednn_enabled():
+        if 1 < query.shape[2] < key.shape[2] and query.dtype == torch.float32 and onednn_prefill_attention_pays():
             return onednn_masked_attention(query, key, value, attention_mask, scaling), None
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
         return grouped_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
     return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def onednn_prefill_attention_pays() -> bool:
+    """Whether a masked prefill's attention is faster as oneDNN's float32 products
+    (`onednn_masked_attention`) than in SDPA's CPU kernel here: where oneDNN may run and PyTorch
+    runs AVX512 kernels, not on AVX2-only CPUs, where oneDNN multiplies the queries by the keys
+    as the cache lays them out at a third of the BLAS's rate (see the module docstring)."""
+    return linear.onednn_enabled() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def grouped_query_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
