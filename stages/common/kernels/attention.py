@@ -88,8 +88,8 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 def onednn_prefill_attention_pays() -> bool:
     """Whether a masked prefill's attention is faster as oneDNN's float32 products
     (`onednn_masked_attention`) than in SDPA's CPU kernel here: where oneDNN may run and PyTorch
-    runs AVX512 kernels, not on AVX2-only CPUs, where oneDNN multiplies the queries by the keys
-    as the cache lays them out at a third of the BLAS's rate (see the module docstring)."""
+    runs AVX512 kernels, not on AVX2-only CPUs, where SDPA's kernel is the faster (see the module
+    docstring)."""
     return linear.onednn_enabled() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
