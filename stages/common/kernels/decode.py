@@ -21,9 +21,9 @@ It applies to the classes named in `ARCHITECTURES` (Llama, Mistral, Qwen2: pre-n
 layers, SiLU-gated MLP, rotary embeddings, no score extras; full attention, which the hf backend
 already requires of every model) with SDPA as the attention and no module hooks (but the one
 transformers adds for gradient checkpointing); `DecodeStep.applies` says so for a model, and any
-other keeps transformers' forward. The hf backend uses it on a CPU only, where it is tested. The outputs equal that forward's up to float rounding:
-the rotation is bit for bit transformers', the fused norm may change the last bits
-(tests/test_kernels_decode.py).
+other keeps transformers' forward. The hf backend uses it on a CPU only, where it is tested. The
+outputs equal that forward's up to float rounding: the rotation is bit for bit transformers', the
+fused norm may change the last bits (tests/test_kernels_decode.py).
 """
 
 from __future__ import annotations
