@@ -8,8 +8,10 @@ as a forward reads them), as a decode step or a prefill forward makes them:
   instruction) are the same in every row and the next ``--own`` are each row's own. ``sdpa`` is
   SDPA's CPU kernel on the query heads regrouped per key/value head (`grouped_query_sdpa`'s decode
   path), reading every row's copy of the shared columns; ``shared_prefix`` is
-  `stages.common.kernels.attention.shared_prefix_attention`, which reads them once for all rows and each
-  row's own columns with `own_columns_attention`.
+  `stages.common.kernels.attention.shared_prefix_attention` in PyTorch's operators, which reads them
+  once for all rows and each row's own columns with `own_columns_attention`; ``native`` is the one
+  C kernel the engine runs instead where it can (`stages.common.kernels.native.decode_attention`),
+  given the additive mask `DecodeStep` makes once a step.
 * ``prefill``: ``--new`` new tokens a row, causal among themselves, over ``--cached`` columns, a
   padded row mask (the second turn's prefill of a 16-episode run). ``sdpa`` is SDPA's CPU kernel
   with grouped heads (`grouped_query_sdpa`'s masked path); ``onednn`` is
@@ -52,6 +54,7 @@ def decode(rows: int, shared: int, own: int, reps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from stages.common.kernels import native
     from stages.common.kernels.attention import shared_prefix_attention
 
     columns = shared + own
@@ -69,11 +72,24 @@ def decode(rows: int, shared: int, own: int, reps: int) -> dict:
         return out.reshape(rows, 1, HEADS, HEAD_DIM)
 
     def shared_prefix(layer):
-        return shared_prefix_attention(query, keys[layer], values[layer], mask, shared, scale)
+        native.enabled = False
+        try:
+            return shared_prefix_attention(query, keys[layer], values[layer], mask, shared, scale)
+        finally:
+            native.enabled = True
 
-    diff = (shared_prefix(0) - sdpa(0)).abs().max().item()
-    return {"rows": rows, "shared_columns": shared, "own_columns": own, "sdpa_ms": timed(sdpa, reps),
-            "shared_prefix_ms": timed(shared_prefix, reps), "max_abs_diff": diff}
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # as `DecodeStep` passes it
+
+    def native_kernel(layer):
+        return native.decode_attention(query, keys[layer], values[layer], additive, shared, scale)
+
+    result = {"rows": rows, "shared_columns": shared, "own_columns": own, "sdpa_ms": timed(sdpa, reps),
+              "shared_prefix_ms": timed(shared_prefix, reps),
+              "max_abs_diff": (shared_prefix(0) - sdpa(0)).abs().max().item()}
+    if native.available():
+        result.update(native_ms=timed(native_kernel, reps),
+                      native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item())
+    return result
 
 
 def prefill(rows: int, new: int, cached: int, reps: int) -> dict:
@@ -122,6 +138,8 @@ def main() -> None:
               "prefill": prefill(args.prefill_rows, args.new, args.cached, args.reps)}
     for entry in result["decode"]:
         entry["speedup"] = round(entry["sdpa_ms"] / entry["shared_prefix_ms"], 2)
+        if "native_ms" in entry:
+            entry["native_speedup"] = round(entry["sdpa_ms"] / entry["native_ms"], 2)
     result["prefill"]["speedup"] = round(result["prefill"]["sdpa_ms"] / result["prefill"]["onednn_ms"], 2)
     print(json.dumps(result))
 

@@ -20,6 +20,9 @@ generation backend differs:
   oneDNN's products (`stages.common.kernels.attention.onednn_masked_attention`) on any CPU, not only
   where PyTorch runs AVX512 kernels (`onednn_prefill_attention_pays`): what that choice saves on an
   AVX2-only CPU (on an AVX512 one the two variants are the same);
+* ``engine_attention_operators``: the engine with its decode steps' attention as PyTorch operators
+  (`stages.common.kernels.attention.shared_prefix_attention`'s products and softmax) instead of one
+  native kernel (`stages.common.kernels.native.decode_attention`);
 * ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
   rows share (the instruction) in each attention, instead of reading them once for all rows
   (`stages.common.kernels.attention.shared_prefix_attention`);
@@ -97,11 +100,12 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.agent.backends.hf import HFBackend
     from stages.agent.proxy import play
     from stages.common.config import load_config
-    from stages.common.kernels import attention, decode, linear
+    from stages.common.kernels import attention, decode, linear, native
     from stages.common.models import load_model
     from stages.training.engine import autocast
 
     linear.enabled = variant != "engine_stock"
+    native.enabled = variant != "engine_attention_operators"
     if variant == "engine_transformers_forward":
         decode.DecodeStep.applies = staticmethod(lambda model: False)
     if variant == "engine_onednn_prefill_attention":
@@ -200,7 +204,7 @@ def main() -> None:
         result[f"batch_{batch}"] = runs
         engine = runs.get("engine")
         for other in ("vllm", "engine_stock", "engine_transformers_forward", "engine_onednn_prefill_attention",
-                      "engine_copied_prefix"):
+                      "engine_attention_operators", "engine_copied_prefix"):
             if engine and other in runs:
                 rate = engine["tokens_per_s"] / runs[other]["tokens_per_s"]
                 runs[f"engine_vs_{other.removeprefix('engine_')}_tokens_per_s"] = round(rate, 2)

@@ -31,8 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 #: The operators that do the model's arithmetic: the linear layers (oneDNN's, or PyTorch's BLAS with
-#: --stock), the batched products of the decode steps' own-column attention, and SDPA's kernel.
-KERNELS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm",
+#: --stock), the decode steps' attention (one native kernel, `stages.common.kernels.native`, marked
+#: with its own profiler range; where it does not run, the batched products of the own columns'
+#: attention) and SDPA's kernel.
+KERNELS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "spa::decode_attention",
            "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 

@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from stages.agent.backends import GenerationRequest, SamplingParams
 from stages.agent.backends.hf import HFBackend
 from stages.common.kernels import attention as attention_kernels
-from stages.common.kernels import decode
+from stages.common.kernels import decode, native
 from stages.common.kernels.linear import PackedLinears
 from stages.common.models import load_tokenizer
 from stages.training.trainable import enable_checkpointing
@@ -28,11 +28,11 @@ def tokenizer():
     return load_tokenizer("smollm2-135m")
 
 
-def qwen2_model(vocab: int, seed: int = 0):
+def qwen2_model(vocab: int, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
     """A 2-layer random Qwen2 (biases on the query, key and value projections), weights scaled up as
     `lively_model`'s are."""
-    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                          tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
@@ -43,10 +43,12 @@ def qwen2_model(vocab: int, seed: int = 0):
     return model.eval()
 
 
-def one_step_both_ways(model, shared: int):
+def one_step_both_ways(model, shared: int, reference_shares: bool = True):
     """A 4-row batch (the first `shared` tokens common to all rows, then different lengths, left
     padded) prefilled by the model, then one token decoded by the model's forward and by
-    `DecodeStep` from copies of that cache: (reference logits, DecodeStep's logits)."""
+    `DecodeStep` from copies of that cache: (reference logits, DecodeStep's logits). The forward
+    is told of the shared columns too unless ``reference_shares`` is false (it then reads every
+    row's copy of them, through SDPA's kernel)."""
     attention_kernels.register_spa_sdpa()
     rng = random.Random(3)
     common = [rng.randrange(1, 1000) for _ in range(shared)]
@@ -62,7 +64,7 @@ def one_step_both_ways(model, shared: int):
         mask[i, shared + width - len(tail):] = True
         pos[i, shared + width - len(tail):] = torch.arange(shared, shared + len(tail))
     pos[:, :shared] = torch.arange(shared)
-    extra = {"shared_columns": shared} if shared else {}
+    extra = {"shared_columns": shared} if shared and reference_shares else {}
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(input_ids=ids, position_ids=pos, attention_mask=mask[:, :-1].long(), past_key_values=cache,
@@ -100,6 +102,21 @@ def test_a_qwen2_decode_step_with_projection_biases_gives_the_forwards_logits(sh
     assert decode.DecodeStep.applies(model)
     reference, ours = one_step_both_ways(model, shared)
     assert_close_in_float32(reference, ours, 2)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernel needs Linux, AVX2 and a C compiler")
+def test_a_decode_step_through_the_native_attention_gives_sdpas_logits(monkeypatch):
+    """With heads of 64 the step's attention over the shared columns is `native.decode_attention`'s
+    (tests/test_kernels_native.py builds it wherever it can run); the forward reads every row's
+    copy of them through SDPA's kernel."""
+    calls = []
+    real = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *args: calls.append(1) or real(*args))
+    model = qwen2_model(vocab=1000, hidden=256, heads=4, kv_heads=2)
+    reference, ours = one_step_both_ways(model, 6, reference_shares=False)
+    assert len(calls) == 2  # one a layer, DecodeStep's only
+    assert_close_in_float32(reference, ours, 2)
+    assert torch.equal(reference.argmax(-1), ours.argmax(-1))
 
 
 def test_a_decode_step_on_packed_weights_gives_the_forwards_logits(tokenizer):

@@ -27,7 +27,9 @@ reads its own columns from ``P`` on, and all rows' queries read row 0's shared c
 one batch (`shared_prefix_attention`); the two partial results are merged by their log-sum-exps,
 which is the same softmax. A decode step thus reads the shared prefix once instead of once a row.
 In float32 the rows' own columns are two batched products and a softmax (`own_columns_attention`),
-which at a decode step's shape (a few queries a key/value head) beat SDPA's CPU kernel.
+which at a decode step's shape (a few queries a key/value head) beat SDPA's CPU kernel; where the
+native kernel can run (`native.decode_attention`: x86 with AVX2, a C compiler) the whole step's
+attention, shared and own columns, is that one kernel instead, with no operators between.
 
 A masked prefill over cached keys on a CPU in float32 (outside autograd) multiplies its scores and
 values with oneDNN (`onednn_masked_attention`), as `stages.common.kernels.linear` does the linear
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.common.errors import UserError
-from stages.common.kernels import linear
+from stages.common.kernels import linear, native
 
 #: Attention-function arguments that change the scores beyond scale and mask (Gemma-2's soft-capping,
 #: gpt-oss's sinks, T5-style position bias): the paths below that compute attention themselves
@@ -129,11 +131,19 @@ def shared_prefix_attention(query, key, value, attention_mask, shared: int, scal
     or additive. CPU only (it calls SDPA's CPU kernel for its log-sum-exps). Returns ``[rows, 1,
     heads, dim]`` as transformers' attention functions do.
 
-    In float32 each row's own columns are two batched products and a softmax
-    (`own_columns_attention`), which read a decode step's keys and values faster than SDPA's CPU
-    kernel; in other dtypes they stay SDPA's, which accumulates in float32."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    In float32 it is one native kernel where that runs (`native.decode_attention`); else each row's
+    own columns are two batched products and a softmax (`own_columns_attention`), which read a
+    decode step's keys and values faster than SDPA's CPU kernel; in other dtypes they stay SDPA's,
+    which accumulates in float32."""
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(~attention_mask,
+                                                                                         float("-inf"))
     rows, heads, _, dim = query.shape
+    scale = dim ** -0.5 if scaling is None else scaling
+    fused = native.decode_attention(query, key, value, attention_mask, shared, scale)
+    if fused is not None:
+        return fused
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     kv_heads = key.shape[1]
     group = heads // kv_heads
     # Query head h reads key/value head h // group: (rows, heads, 1) regroups as (rows, kv_heads, group).
@@ -145,11 +155,9 @@ def shared_prefix_attention(query, key, value, attention_mask, shared: int, scal
     shared_lse = shared_lse.view(kv_heads, rows, group).transpose(0, 1)
     # Each row's own columns, under its mask (additive, as the kernels take it).
     mask = attention_mask[..., shared:]
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
     if query.dtype == torch.float32:
         own_sum, own_top, own_lse = own_columns_attention(grouped, key[:, :, shared:], value[:, :, shared:], mask,
-                                                          dim ** -0.5 if scaling is None else scaling)
+                                                          scale)
     else:
         own_sum, own_lse = flash(grouped, key[:, :, shared:], value[:, :, shared:], attn_mask=mask, scale=scaling)
         # The kernel gives a query that sees none of its own columns a log-sum-exp of 0, not -inf.

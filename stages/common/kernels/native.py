@@ -1,0 +1,120 @@
+"""A decode step's attention as one native kernel, built on first use with the machine's C compiler.
+
+In PyTorch operators a decode step's attention over a KV cache is several kernels per layer (the
+scores' product, the mask's addition, a softmax's maximum, exponentials and sum, the values'
+product, the merge of the shared and own columns), each a pass over memory, with a few queries a
+key/value head: the operators between the products cost about as much as the products
+(docs/results.md, *The engine's ceiling*). `decode_attention` computes the same attention in one
+C function (``decode_attention.c``): per row and key/value head, the scores of the group's queries
+eight columns at a time while those keys are in L1, their exponentials, and the values' weighted
+sum with the accumulators in registers; the columns every row shares are read from row 0, so
+threads working through one head's rows find them in cache. It runs one task per row and head on
+PyTorch's thread count, in OpenMP's threads: the library links libgomp.so.1, which resolves to the
+one PyTorch loaded, so the kernel and PyTorch's operators share one pool of threads rather than
+contend for the cores. float32, AVX2 and FMA.
+
+The library is compiled once per machine into ``$SPA_CACHE/kernels`` (``cc -O3 -mavx2 -mfma
+-fopenmp``, about a second; ``$CC`` names another compiler) and loaded with ctypes: no PyTorch
+headers, no build step at install. Where it cannot be had (not Linux on x86-64, a CPU without AVX2, no
+compiler, a failed build, a head size other than 64 or 128, more than 16 queries a key/value
+head) `decode_attention` returns None and the caller computes the attention with PyTorch's
+operators, as before. The outputs equal those of SDPA's kernel up to float32 rounding
+(tests/test_kernels_native.py); the exponential is a polynomial within about 2 float32 ulps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+#: The head sizes and group sizes (query heads per key/value head) the kernel takes.
+HEAD_DIMS, MAX_GROUP = (64, 128), 16
+enabled = True  #: false keeps PyTorch's operators: benchmarks time them beside the kernel
+
+
+def available() -> bool:
+    """Whether `decode_attention` runs here: this platform and CPU take it and its library is built
+    (building it now if needed)."""
+    return enabled and _library() is not None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     shared: int, scale: float) -> torch.Tensor | None:
+    """Attention of a one-token ``query`` ``[rows, heads, 1, dim]`` over ``key``/``value`` ``[rows,
+    kv_heads, columns, dim]`` (views of a cache are fine: only the last dimension must be dense)
+    under the additive ``mask`` ``[rows or 1, 1, 1, columns]``; columns ``[0, shared)`` hold the
+    same keys and values in every row and are read from row 0. float32 on a CPU. Returns ``[rows,
+    1, heads, dim]``, or None where the kernel does not apply (see the module docstring)."""
+    rows, heads, _, dim = query.shape
+    kv_heads, columns = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    library = _library() if enabled else None
+    if (library is None or dim not in HEAD_DIMS or group > MAX_GROUP or columns == 0
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (query, key, value, mask))
+            or key.stride(-1) != 1 or value.stride(-1) != 1):
+        return None
+    grouped = query.reshape(rows, kv_heads, group, dim).contiguous()
+    mask = mask.reshape(mask.shape[0], columns)
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    out = torch.empty_like(grouped)
+    with torch.profiler.record_function("spa::decode_attention"):
+        status = library.spa_decode_attention(
+            grouped.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), out.data_ptr(),
+            *key.stride()[:3], *value.stride()[:3], mask.stride(0) if mask.shape[0] > 1 else 0,
+            rows, kv_heads, group, dim, columns, shared, scale, torch.get_num_threads())
+    if status != 0:
+        return None
+    return out.view(rows, 1, heads, dim)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    path = _built()
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    function = library.spa_decode_attention
+    function.restype = ctypes.c_int
+    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_int] * 6
+                         + [ctypes.c_float, ctypes.c_int])
+    return library
+
+
+def _built() -> Path | None:
+    """The compiled library, compiled now if this source, compiler and flags have none yet; None if
+    there is no compiler or it fails."""
+    from stages.common.models import cache_root
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    digest = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"decode_attention-{digest}.so"
+    if path.exists():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, path)  # another process building the same library at once loses nothing
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path

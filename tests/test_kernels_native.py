@@ -1,0 +1,160 @@
+"""`stages.common.kernels.native.decode_attention`, the decode step's attention as one C kernel: it is
+built where the machine can run it, gives the softmax attention computed in float64 up to its
+float32 rounding, and where it cannot be had (no compiler, no AVX2) the operators it replaces run."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from stages.common.kernels import attention, native
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def can_build() -> bool:
+    return (platform.system() == "Linux" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+            and (shutil.which("cc") or shutil.which("gcc")) is not None)
+
+
+@pytest.fixture
+def rebuilt(monkeypatch, tmp_path):
+    """A fresh build in an empty cache directory, forgotten again after the test."""
+    monkeypatch.setenv("SPA_CACHE", str(tmp_path))
+    native._library.cache_clear()
+    yield
+    native._library.cache_clear()
+
+
+def decode_case(rows: int, kv_heads: int, group: int, dim: int, shared: int, own: int, capacity: int,
+                seed: int = 0):
+    """A decode step's tensors as the hf backend holds them: keys and values views of slabs with
+    ``capacity`` columns, the first ``shared`` the same in every row; row 1 has padding among its
+    own columns, the last row sees none of them. Returns (query, key, value, additive mask)."""
+    generator = torch.Generator().manual_seed(seed)
+    columns = shared + own
+    slabs = [torch.randn(rows, kv_heads, capacity, dim, generator=generator) for _ in range(2)]
+    for slab in slabs:
+        slab[1:, :, :shared] = slab[:1, :, :shared]
+    keep = torch.ones(rows, 1, 1, columns, dtype=torch.bool)
+    keep[1, ..., shared:shared + own // 2] = False
+    keep[-1, ..., shared:] = False
+    mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+    query = torch.randn(rows, kv_heads * group, 1, dim, generator=generator)
+    return query, slabs[0][:, :, :columns], slabs[1][:, :, :columns], mask
+
+
+def float64_attention(query, key, value, mask, scale):
+    """softmax(q k^T scale + mask) v in float64, grouped heads; ``[rows, 1, heads, dim]``, zeros for a
+    query that sees no column."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.double().reshape(rows, kv_heads, heads // kv_heads, dim)
+    scores = grouped @ key.double().transpose(-1, -2) * scale + mask.double().reshape(mask.shape[0], 1, 1, -1)
+    return (scores.softmax(-1) @ value.double()).nan_to_num(0.0).reshape(rows, 1, heads, dim)
+
+
+def float32_bound(query, key, value, scale) -> float:
+    """How far the kernel's float32 arithmetic may land from the float64 attention. A score sums
+    dim / 8 products per lane and then 8 lanes (3 levels), then is scaled and masked: at most
+    (dim / 8 + 5) roundings of the largest sum of |q k| scale. Its weight exp(score - top) moves by
+    twice that error relatively (score and top), plus the exponential's 2 ulps and the subtraction's
+    one. The weights' and the values' sums add a rounding a column at most (sequential sums). The
+    output, an average of values, moves by max|v| times the weights' relative error, twice (sum and
+    normaliser)."""
+    rows, heads, _, dim = query.shape
+    kv_heads, columns = key.shape[1], key.shape[2]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).abs()
+    largest = (grouped @ key.abs().transpose(-1, -2)).max().item() * scale
+    score_error = (dim / 8 + 5) * EPS * largest
+    weight_error = 2 * score_error + 3 * EPS
+    return value.abs().max().item() * (2 * weight_error + 2 * (columns + 4) * EPS)
+
+
+def test_the_kernel_is_built_where_the_machine_can_run_it(rebuilt):
+    assert native.available() == can_build()
+    if can_build():
+        assert list(_kernels_dir().glob("decode_attention-*.so"))
+
+
+def _kernels_dir():
+    from stages.common.models import cache_root
+
+    return cache_root() / "kernels"
+
+
+needs_kernel = pytest.mark.skipif(not can_build(), reason="the kernel needs Linux, AVX2 and a C compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "kv_heads", "group", "dim", "shared", "own"), [
+    (4, 3, 3, 64, 13, 32),  # SmolLM2's heads; 45 columns: five blocks of 8 and a tail of 5
+    (3, 2, 7, 128, 0, 20),  # Qwen2.5-7B's heads, no shared columns
+    (5, 1, 1, 64, 8, 8),  # one query a head; exactly two blocks
+])
+def test_decode_attention_equals_the_float64_softmax(rows, kv_heads, group, dim, shared, own):
+    query, key, value, mask = decode_case(rows, kv_heads, group, dim, shared, own, capacity=shared + own + 19)
+    scale = dim ** -0.5
+    ours = native.decode_attention(query, key, value, mask, shared, scale)
+    assert ours is not None and ours.shape == (rows, 1, kv_heads * group, dim) and ours.dtype == torch.float32
+    reference = float64_attention(query, key, value, mask, scale)
+    assert (ours.double() - reference).abs().max().item() <= float32_bound(query, key, value, scale)
+    if not shared:  # the last row sees no column at all
+        assert torch.equal(ours[-1], torch.zeros_like(ours[-1]))
+
+
+@needs_kernel
+def test_one_mask_row_serves_every_row():
+    query, key, value, _ = decode_case(3, 2, 3, 64, 6, 10, capacity=16)
+    one = torch.zeros(1, 1, 1, 16)
+    one[..., 8] = float("-inf")
+    ours = native.decode_attention(query, key, value, one, 6, 0.125)
+    reference = float64_attention(query, key, value, one, 0.125)
+    assert (ours.double() - reference).abs().max().item() <= float32_bound(query, key, value, 0.125)
+
+
+@needs_kernel
+def test_shapes_the_kernel_does_not_take_go_back_to_the_operators():
+    query, key, value, mask = decode_case(2, 2, 3, 64, 4, 4, capacity=8)
+    assert native.decode_attention(query[..., :32], key[..., :32], value[..., :32], mask, 4, 0.1) is None  # dim 32
+    assert native.decode_attention(query.double(), key.double(), value.double(), mask.double(), 4, 0.1) is None
+    assert native.decode_attention(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, mask, 4,
+                                   0.1) is None  # keys not dense along the head dimension
+
+
+@needs_kernel
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_shared_prefix_attention_gives_sdpas_result_with_and_without_the_kernel(monkeypatch, mask_kind):
+    """The attention `spa_sdpa` computes for a decode step over shared columns, through the kernel
+    and through PyTorch's operators, against transformers' SDPA."""
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value, mask = decode_case(4, 3, 3, 64, 13, 32, capacity=50)
+    keep = mask == 0
+    given = keep if mask_kind == "bool" else mask
+    stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.125)
+    # Both are within the float32 rounding of the float64 attention; SDPA's is too, by the same bound.
+    bound = 2 * float32_bound(query, key, value, 0.125)
+    for enabled in (True, False):
+        monkeypatch.setattr(native, "enabled", enabled)
+        ours = attention.shared_prefix_attention(query, key, value, given, 13, 0.125)
+        assert (ours - stock).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("missing", ["compiler", "avx2"])
+def test_without_a_compiler_or_avx2_the_operators_compute_it(monkeypatch, rebuilt, missing):
+    if missing == "compiler":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+    else:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not native.available()
+    query, key, value, mask = decode_case(4, 3, 3, 64, 13, 32, capacity=50)
+    assert native.decode_attention(query, key, value, mask, 13, 0.125) is None
+    ours = attention.shared_prefix_attention(query, key, value, mask, 13, 0.125)
+    reference = float64_attention(query, key, value, mask, 0.125)
+    assert (ours.double() - reference).abs().max().item() <= 2 * float32_bound(query, key, value, 0.125)
+    assert not list(_kernels_dir().glob("*"))  # nothing half-built left behind
