@@ -84,7 +84,7 @@ def main() -> None:
     starts = [s for s, _ in spans]
     self_us: dict[str, dict[str, float]] = {"prefill": defaultdict(float), "decode": defaultdict(float)}
     for e in events:
-        if e.name == "spa_prefill" or not e.name.startswith(("aten::", "mkldnn::")):
+        if e.name == "spa_prefill" or not e.name.startswith(("aten::", "mkldnn::", "spa::")):
             continue
         i = bisect.bisect_right(starts, e.time_range.start) - 1
         phase = "prefill" if i >= 0 and e.time_range.start < spans[i][1] else "decode"
