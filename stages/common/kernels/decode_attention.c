@@ -38,13 +38,13 @@ static inline float sum8(v8 x) {
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum), as Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
- * exp(r) by its degree-6 Taylor-like minimax polynomial, 2^n put into the exponent bits. Relative
+ * exp(r) as 1 + r + r^2 p(r) with Cephes' degree-5 p, and 2^n put into the exponent bits. Relative
  * error about 2 float ulps; x below -87.3 (and -inf) gives 0. */
 static inline v8 exp8(v8 x) {
     const i8 keep = x >= -87.3f;  /* lanes of -1 (all bits) or 0 */
     x = (v8)(((i8)x & keep) | ((i8)((v8){0} - 87.3f) & ~keep));  /* vector casts reinterpret the bits */
     v8 n = x * 1.44269504088896341f;
-    i8 ni = __builtin_convertvector(n + (v8){0} - 0.5f, i8);  /* n <= 0: round half away by truncation */
+    i8 ni = __builtin_convertvector(n - 0.5f, i8);  /* n <= 0: round half away by truncation */
     n = __builtin_convertvector(ni, v8);
     v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
     v8 r2 = r * r;
