@@ -36,7 +36,9 @@ bfloat16`` adds ``engine_bf16``, the HF engine on a bf16 copy: faster on CPUs wi
 matmul; and ``engine_autocast``, the engine on the float32 model under bf16 autocast, which is how
 `spa ppo` would roll out on its fp32 master weights without the bf16 copy it keeps for the
 rollouts: ``bf16_vs_autocast_tokens_per_s`` is that copy's speed-up; and ``vllm_bf16``, vLLM on the
-model in bf16, the yardstick of ``engine_bf16``). Each variant runs in its own
+model in bf16, the yardstick of ``engine_bf16``). Any engine variant named with ``_bf16`` after it
+(``engine_attention_operators_bf16``) runs on the bf16 copy too, and is set beside ``engine_bf16``
+as its float32 namesake is beside ``engine``. Each variant runs in its own
 interpreter, so its peak RSS is its own. Samples differ between the variants (different random
 streams), so tokens generated differ somewhat; the rates are what compare. Prints one JSON object;
 the targets are engine >= 3x naive and >= 1.5x vLLM tokens/s.
@@ -104,13 +106,15 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     from stages.common.models import load_model
     from stages.training.engine import autocast
 
-    linear.enabled = variant != "engine_stock"
-    native.enabled = variant != "engine_attention_operators"
-    if variant == "engine_transformers_forward":
+    bf16 = variant.endswith("_bf16")
+    switches = variant.removesuffix("_bf16")  # engine_X_bf16 is engine_X on the bf16 copy
+    linear.enabled = switches != "engine_stock"
+    native.enabled = switches != "engine_attention_operators"
+    if switches == "engine_transformers_forward":
         decode.DecodeStep.applies = staticmethod(lambda model: False)
-    if variant == "engine_onednn_prefill_attention":
+    if switches == "engine_onednn_prefill_attention":
         attention.onednn_prefill_attention_pays = linear.onednn_enabled
-    if variant == "engine_copied_prefix":
+    if switches == "engine_copied_prefix":
         HFBackend._shared_columns = lambda self, rows: 0  # no columns declared shared: each row reads its own
     episodes = args.batch
     groups = episodes // args.group_size
@@ -118,7 +122,7 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     config = load_config(None, [
         f"env.name={args.env}", f"rollout.max_turns={args.max_turns}", f"rollout.backend={backend_name}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={episodes}", f"model.name={args.model}",
-        f"model.dtype={'bfloat16' if variant in ('engine_bf16', 'vllm_bf16') else 'float32'}", "quiet=true"])
+        f"model.dtype={'bfloat16' if bf16 else 'float32'}", "quiet=true"])
     config.model.device = "cuda" if torch.cuda.is_available() else "cpu"
     modes = {"prompt_mode": "world_model", "render_mode": "coords"}  # what `spa generate` plays
     torch.manual_seed(0)
@@ -202,21 +206,19 @@ def main() -> None:
         runs = {variant: run_child(variant, [*argv, f"--batch={batch}"]) for variant in variants
                 if variant != "naive" or batch == min(batches)}
         result[f"batch_{batch}"] = runs
-        engine = runs.get("engine")
-        for other in ("vllm", "engine_stock", "engine_transformers_forward", "engine_onednn_prefill_attention",
-                      "engine_attention_operators", "engine_copied_prefix"):
-            if engine and other in runs:
-                rate = engine["tokens_per_s"] / runs[other]["tokens_per_s"]
-                runs[f"engine_vs_{other.removeprefix('engine_')}_tokens_per_s"] = round(rate, 2)
+        for suffix in ("", "_bf16"):  # each engine against the other variants in its dtype
+            engine = runs.get(f"engine{suffix}")
+            for other in ("vllm", "engine_stock", "engine_transformers_forward", "engine_onednn_prefill_attention",
+                          "engine_attention_operators", "engine_copied_prefix"):
+                if engine and other + suffix in runs:
+                    rate = engine["tokens_per_s"] / runs[other + suffix]["tokens_per_s"]
+                    runs[f"engine_vs_{other.removeprefix('engine_')}{suffix}_tokens_per_s"] = round(rate, 2)
         if engine and "naive" in runs:
             runs["speedup_tokens_per_s"] = round(engine["tokens_per_s"] / runs["naive"]["tokens_per_s"], 2)
             runs["speedup_episodes_per_min"] = round(engine["episodes_per_min"] / runs["naive"]["episodes_per_min"], 2)
         if "engine_autocast" in runs:
             rate = runs["engine_bf16"]["tokens_per_s"] / runs["engine_autocast"]["tokens_per_s"]
             runs["bf16_vs_autocast_tokens_per_s"] = round(rate, 2)
-        if "engine_bf16" in runs and "vllm_bf16" in runs:
-            rate = runs["engine_bf16"]["tokens_per_s"] / runs["vllm_bf16"]["tokens_per_s"]
-            runs["engine_vs_vllm_bf16_tokens_per_s"] = round(rate, 2)
     print(json.dumps(result))
 
 

@@ -1,14 +1,14 @@
 """Where the hf engine's rollout time goes: PyTorch operators by self time, prefill and decode apart.
 
 Plays `bench/bench_generate.py`'s episodes (Sokoban, world-model prompt, 2 turns of up to 96 new
-tokens, the bundled SmolLM2-135M in float32) once under `torch.profiler`, with every prefill
-(`HFBackend._prefill`) marked; each operator's self time counts for the prefill when it starts
-inside one, else for decoding (the decode steps' forwards, sampling, bookkeeping). ``--stock``
-runs the linear layers on PyTorch's own kernels instead of oneDNN's (`stages.common.kernels.linear`).
-The profiler's own overhead inflates the many small operators, so the wall times printed beside
-come from the backend's counters in the same run, and the shares are what to read;
-``operator_seconds`` sums the operators' self times, so the phase's wall time less it is Python
-and the framework between operators (inflated by the profiler too).
+tokens, the bundled SmolLM2-135M in float32, or in ``--dtype bfloat16``) once under
+`torch.profiler`, with every prefill (`HFBackend._prefill`) marked; each operator's self time counts
+for the prefill when it starts inside one, else for decoding (the decode steps' forwards, sampling,
+bookkeeping). ``--stock`` runs the linear layers on PyTorch's own kernels instead of oneDNN's
+(`stages.common.kernels.linear`). The profiler's own overhead inflates the many small operators, so
+the wall times printed beside come from the backend's counters in the same run, and the shares are
+what to read; ``operator_seconds`` sums the operators' self times, so the phase's wall time less it
+is Python and the framework between operators (inflated by the profiler too).
 
 ``kernel_seconds`` sums, per phase, the self times of the products and attention kernels
 (`KERNELS`): the operators that read the weights and the KV cache and do the arithmetic (the
@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="episodes, all live at once")
     parser.add_argument("--stock", action="store_true", help="PyTorch's own kernels for the linear layers")
     parser.add_argument("--top", type=int, default=8, help="operators listed per phase")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype (bench_generate's engine and engine_bf16)")
     args = parser.parse_args()
 
     import torch
@@ -57,7 +59,7 @@ def main() -> None:
     linear.enabled = not args.stock
     config = load_config(None, [
         "env.name=sokoban", "rollout.max_turns=2", "rollout.backend=hf", "rollout.max_new_tokens=96",
-        f"rollout.batch_size={args.batch}", "model.name=smollm2-135m", "model.dtype=float32", "quiet=true"])
+        f"rollout.batch_size={args.batch}", "model.name=smollm2-135m", f"model.dtype={args.dtype}", "quiet=true"])
     modes = {"prompt_mode": "world_model", "render_mode": "coords"}
     backend = make_backend(config.model, config.rollout, prompt_mode=modes["prompt_mode"])
     warmup = load_config(None, ["env.name=sokoban", "rollout.max_turns=1", "rollout.max_new_tokens=4"])
@@ -90,7 +92,7 @@ def main() -> None:
         phase = "prefill" if i >= 0 and e.time_range.start < spans[i][1] else "decode"
         self_us[phase][e.name] += e.self_cpu_time_total
     stats = backend.stats
-    result = {"batch": args.batch, "linear_kernels": "pytorch" if args.stock else "onednn",
+    result = {"batch": args.batch, "dtype": args.dtype, "linear_kernels": "pytorch" if args.stock else "onednn",
               "generated_tokens": sum(sum(e.response_mask) for e in played), "seconds_profiled": round(seconds, 2),
               "prefilled_tokens": stats["prefilled_tokens"], "decode_steps": stats["decode_steps"]}
     kernel_us = {phase: sum(ops.get(name, 0.0) for name in KERNELS) for phase, ops in self_us.items()}

@@ -1,6 +1,7 @@
 """`stages.common.kernels.native.decode_attention`, the decode step's attention as one C kernel: it is
 built where the machine can run it, gives the softmax attention computed in float64 up to its
-float32 rounding, and where it cannot be had (no compiler, no AVX2) the operators it replaces run."""
+float32 rounding (over a bfloat16 cache too, then rounded once to bfloat16), and where it cannot be
+had (no compiler, no AVX2) the operators it replaces run."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from stages.common.kernels import attention, native
 
 EPS = torch.finfo(torch.float32).eps
+#: bfloat16's rounding of a float32 result: half its spacing, relative (8 bits of mantissa).
+BF16_ROUNDING = torch.finfo(torch.bfloat16).eps / 2
 
 
 def can_build() -> bool:
@@ -75,16 +78,16 @@ def float32_bound(query, key, value, scale) -> float:
     return value.abs().max().item() * (2 * weight_error + 2 * (columns + 4) * EPS)
 
 
-def test_the_kernel_is_built_where_the_machine_can_run_it(rebuilt):
-    assert native.available() == can_build()
-    if can_build():
-        assert list(_kernels_dir().glob("decode_attention-*.so"))
-
-
 def _kernels_dir():
     from stages.common.models import cache_root
 
     return cache_root() / "kernels"
+
+
+def test_the_kernel_is_built_where_the_machine_can_run_it(rebuilt):
+    assert native.available() == can_build()
+    if can_build():
+        assert list(_kernels_dir().glob("decode_attention-*.so"))
 
 
 needs_kernel = pytest.mark.skipif(not can_build(), reason="the kernel needs Linux, AVX2 and a C compiler")
@@ -108,6 +111,24 @@ def test_decode_attention_equals_the_float64_softmax(rows, kv_heads, group, dim,
 
 
 @needs_kernel
+@pytest.mark.parametrize(("group", "dim", "shared"), [(3, 64, 13), (7, 128, 0)])
+def test_over_a_bfloat16_cache_the_arithmetic_is_float32(group, dim, shared):
+    """A bfloat16 cache (the engine's in `model.dtype: bfloat16`) read by the same float32
+    arithmetic: the output is the float64 attention of the same bfloat16 numbers within the float32
+    bound, plus one rounding to bfloat16 at the end, not bfloat16's error compounded through the
+    scores and the softmax."""
+    tensors = decode_case(4, 2, group, dim, shared, 27, capacity=shared + 40)
+    query, key, value, mask = (t.to(torch.bfloat16) for t in tensors)
+    scale = dim ** -0.5
+    ours = native.decode_attention(query, key, value, mask, shared, scale)
+    assert ours is not None and ours.dtype == torch.bfloat16 and ours.shape == (4, 1, 2 * group, dim)
+    reference = float64_attention(query, key, value, mask, scale)  # bfloat16 is exact in float64
+    error = (ours.double() - reference).abs()
+    bound = float32_bound(query.float(), key.float(), value.float(), scale) * (1 + BF16_ROUNDING)
+    assert (error <= bound + reference.abs() * BF16_ROUNDING).all()
+
+
+@needs_kernel
 def test_one_mask_row_serves_every_row():
     query, key, value, _ = decode_case(3, 2, 3, 64, 6, 10, capacity=16)
     one = torch.zeros(1, 1, 1, 16)
@@ -122,6 +143,7 @@ def test_shapes_the_kernel_does_not_take_go_back_to_the_operators():
     query, key, value, mask = decode_case(2, 2, 3, 64, 4, 4, capacity=8)
     assert native.decode_attention(query[..., :32], key[..., :32], value[..., :32], mask, 4, 0.1) is None  # dim 32
     assert native.decode_attention(query.double(), key.double(), value.double(), mask.double(), 4, 0.1) is None
+    assert native.decode_attention(query, key, value.to(torch.bfloat16), mask, 4, 0.1) is None  # mixed cache
     assert native.decode_attention(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, mask, 4,
                                    0.1) is None  # keys not dense along the head dimension
 

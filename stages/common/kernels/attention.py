@@ -29,7 +29,8 @@ which is the same softmax. A decode step thus reads the shared prefix once inste
 In float32 the rows' own columns are two batched products and a softmax (`own_columns_attention`),
 which at a decode step's shape (a few queries a key/value head) beat SDPA's CPU kernel; where the
 native kernel can run (`native.decode_attention`: x86 with AVX2, a C compiler) the whole step's
-attention, shared and own columns, is that one kernel instead, with no operators between.
+attention, shared and own columns, is that one kernel instead, with no operators between, in
+float32 and in bfloat16 (whose cache it reads as bfloat16 and computes on in float32).
 
 A masked prefill over cached keys on a CPU in float32 (outside autograd) multiplies its scores and
 values with oneDNN (`onednn_masked_attention`), as `stages.common.kernels.linear` does the linear
@@ -131,10 +132,10 @@ def shared_prefix_attention(query, key, value, attention_mask, shared: int, scal
     or additive. CPU only (it calls SDPA's CPU kernel for its log-sum-exps). Returns ``[rows, 1,
     heads, dim]`` as transformers' attention functions do.
 
-    In float32 it is one native kernel where that runs (`native.decode_attention`); else each row's
-    own columns are two batched products and a softmax (`own_columns_attention`), which read a
-    decode step's keys and values faster than SDPA's CPU kernel; in other dtypes they stay SDPA's,
-    which accumulates in float32."""
+    In float32 and bfloat16 it is one native kernel where that runs (`native.decode_attention`,
+    float32 arithmetic in both); else, in float32, each row's own columns are two batched products
+    and a softmax (`own_columns_attention`), which read a decode step's keys and values faster than
+    SDPA's CPU kernel; in other dtypes they stay SDPA's, which accumulates in float32."""
     if attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(~attention_mask,
                                                                                          float("-inf"))

@@ -1,10 +1,11 @@
-/* One decode step's attention in float32, fused: scores, softmax and the values' weighted sum in one
- * pass per (row, key/value head), on the CPU. Built and loaded by stages/common/kernels/native.py,
- * which documents it; C with AVX2 and FMA intrinsics and GCC/Clang vector extensions, no PyTorch
- * headers.
+/* One decode step's attention, fused: scores, softmax and the values' weighted sum in one pass per
+ * (row, key/value head), on the CPU, computed in float32 over keys and values stored in float32 or
+ * bfloat16. Built and loaded by stages/common/kernels/native.py, which documents it; C with AVX2 and
+ * FMA intrinsics, no PyTorch headers.
  *
- * query  [rows, kv_heads, group, dim], contiguous
- * keys, values: element strides (row, head, column); the column's `dim` floats are contiguous.
+ * query  [rows, kv_heads, group, dim] float32, contiguous
+ * keys, values: float32 (bf16 = 0) or bfloat16 (bf16 = 1), with element strides (row, head,
+ *   column); the column's `dim` elements are contiguous.
  *   Columns [0, shared) are the same in every row and are read from row 0 (so a thread working
  *   through one head's rows finds them in its cache); columns [shared, columns) are each row's.
  * mask   additive [rows, columns] with row stride mask_row (0: one row for all)
@@ -17,47 +18,49 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-
 #define MAX_GROUP 16
 
 typedef struct {
-    const float *query, *keys, *values, *mask;
+    const float *query;
+    const char *keys, *values;
+    const float *mask;
     float *out;
     int64_t k_row, k_head, k_col, v_row, v_head, v_col, mask_row;
-    int rows, kv_heads, group, dim, columns, shared;
+    int rows, kv_heads, group, dim, columns, shared, bf16;
     float scale;
 } Job;
 
-static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
-static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
-
-static inline float sum8(v8 x) {
-    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+static inline float sum8(__m256 x) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum), as Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
  * exp(r) as 1 + r + r^2 p(r) with Cephes' degree-5 p, and 2^n put into the exponent bits. Relative
  * error about 2 float ulps; x below -87.3 (and -inf) gives 0. */
-static inline v8 exp8(v8 x) {
-    const i8 keep = x >= -87.3f;  /* lanes of -1 (all bits) or 0 */
-    x = (v8)(((i8)x & keep) | ((i8)((v8){0} - 87.3f) & ~keep));  /* vector casts reinterpret the bits */
-    v8 n = x * 1.44269504088896341f;
-    i8 ni = __builtin_convertvector(n - 0.5f, i8);  /* n <= 0: round half away by truncation */
-    n = __builtin_convertvector(ni, v8);
-    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8 r2 = r * r;
-    v8 p = (v8){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r2 + r + 1.0f;
-    const v8 two_to_n = (v8)((ni + 127) << 23);
-    return (v8)((i8)(p * two_to_n) & keep);
+static inline __m256 exp8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    const __m256 r2 = _mm256_mul_ps(r, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256 two_to_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
+    return _mm256_and_ps(_mm256_mul_ps(p, two_to_n), keep);
 }
+
+/* A row of scores' length: columns rounded up to whole vectors of 8. */
+static inline int padded(int columns) { return (columns + 7) / 8 * 8; }
 
 /* Eight dot products at once: lane c of the result is sum(acc[c]). */
 static inline __m256 sums_of_8(const __m256 acc[8]) {
@@ -66,32 +69,89 @@ static inline __m256 sums_of_8(const __m256 acc[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t, u, 0x20), _mm256_permute2f128_ps(t, u, 0x31));
 }
 
-/* Column c of a row's keys or values for a head: the shared columns are row 0's. */
-static inline const float *column(const float *base, int64_t row_stride, int64_t head_stride, int64_t column_stride,
-                                  int row, int head, int c, int shared) {
-    return base + (c < shared ? 0 : row * row_stride) + head * head_stride + c * column_stride;
+/* Column c of a row's keys or values for a head: the shared columns are row 0's. Strides count
+ * elements of 2 (bfloat16) or 4 bytes. */
+static inline const char *column(const char *base, int64_t row_stride, int64_t head_stride, int64_t column_stride,
+                                 int row, int head, int c, int shared, int bf16) {
+    const int64_t element = (c < shared ? 0 : row * row_stride) + head * head_stride + c * column_stride;
+    return base + (element << (bf16 ? 1 : 2));
+}
+
+/* Eight keys' or values' elements from p as float32: a bfloat16 is a float32's upper 16 bits. */
+static inline __m256 load8_kv(const char *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline float kv_at(const char *p, int d, int bf16) {
+    if (!bf16) return ((const float *)p)[d];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[d] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* The weighted sums of the values for `nq` queries of the group (weights `weights`, [nq][columns],
+ * rows padded(columns) apart), dimensions [d0, d0 + 8 * vecs), scaled by `inverse` into `out` (rows `dim`
+ * apart): each column's values are loaded, and widened, once for all `nq` queries. nq * vecs
+ * accumulators, nq broadcast weights and one value vector fit AVX2's 16 registers for the shapes
+ * run_task uses (3 x 4, 2 x 4, 1 x 8). */
+static inline __attribute__((always_inline)) void weighted_values(const Job *job, int row, int head,
+                                                                  const float *weights, const float *inverse,
+                                                                  float *out, int d0, const int nq,
+                                                                  const int vecs, const int bf16) {
+    const int log_bytes = bf16 ? 1 : 2, columns = job->columns, stride = padded(columns), dim = job->dim;
+    __m256 acc[3][8];
+    for (int g = 0; g < nq; g++)
+        for (int j = 0; j < vecs; j++) acc[g][j] = _mm256_setzero_ps();
+    for (int c = 0; c < columns; c++) {
+        const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c, job->shared, bf16)
+                        + (d0 << log_bytes);
+        __m256 w[3];
+        for (int g = 0; g < nq; g++) w[g] = _mm256_broadcast_ss(weights + g * stride + c);
+        for (int j = 0; j < vecs; j++) {
+            const __m256 x = load8_kv(v + (8 * j << log_bytes), bf16);
+            for (int g = 0; g < nq; g++) acc[g][j] = _mm256_fmadd_ps(w[g], x, acc[g][j]);
+        }
+    }
+    for (int g = 0; g < nq; g++)
+        for (int j = 0; j < vecs; j++)
+            _mm256_storeu_ps(out + g * dim + d0 + 8 * j, _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inverse[g])));
 }
 
 /* One (row, head): the group's scores into `scores` [group, columns], exponentiated in place, then
- * the values' weighted sums, 64 dimensions at a time so the eight accumulators stay in registers. */
-static void run_task(const Job *job, int task, float *scores) {
+ * the values' weighted sums, up to three queries at a time. Inlined into each call with a constant
+ * `bf16`, so each element type gets its own loops. */
+static inline __attribute__((always_inline)) void run_task(const Job *job, int task, float *scores,
+                                                           const int bf16) {
     const int row = task % job->rows, head = task / job->rows;
-    const int group = job->group, dim = job->dim, columns = job->columns;
+    const int group = job->group, dim = job->dim, columns = job->columns, stride = padded(columns);
+    const int log_bytes = bf16 ? 1 : 2;  /* an element is 1 << log_bytes bytes */
     const float *q = job->query + ((int64_t)row * job->kv_heads + head) * group * dim;
     const float *mask = job->mask + row * job->mask_row;
     const __m256 scale = _mm256_set1_ps(job->scale);
-    /* Scores, a block of eight columns at a time, every query of the group while the block's keys are in L1. */
+    /* Scores, eight columns at a time, every query of the group while the block's keys are in L1
+     * (a bfloat16 block widened once into `wide`, not once per query). */
     __m256 top8[MAX_GROUP];
     for (int g = 0; g < group; g++) top8[g] = _mm256_set1_ps(-INFINITY);
+    float wide[8][128];
     const int blocked = columns / 8 * 8;
     for (int c = 0; c < blocked; c += 8) {
         const float *keys[8];
         for (int i = 0; i < 8; i++) {
-            keys[i] = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c + i, job->shared);
+            const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c + i, job->shared,
+                                   bf16);
+            if (bf16) {
+                for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide[i] + d, load8_kv(k + (d << 1), 1));
+                keys[i] = wide[i];
+            } else {
+                keys[i] = (const float *)k;
+            }
             /* the values pass's columns, fetched into L2 while the keys' arithmetic runs */
-            const char *v = (const char *)column(job->values, job->v_row, job->v_head, job->v_col, row, head, c + i,
-                                                 job->shared);
-            for (int line = 0; line < dim * 4; line += 64) _mm_prefetch(v + line, _MM_HINT_T1);
+            const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c + i, job->shared,
+                                   bf16);
+            for (int line = 0; line < dim << log_bytes; line += 64) _mm_prefetch(v + line, _MM_HINT_T1);
         }
         for (int g = 0; g < group; g++) {
             const float *qg = q + g * dim;
@@ -102,47 +162,49 @@ static void run_task(const Job *job, int task, float *scores) {
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(keys[i] + d), qd, acc[i]);
             }
             const __m256 block = _mm256_fmadd_ps(sums_of_8(acc), scale, _mm256_loadu_ps(mask + c));
-            _mm256_storeu_ps(scores + g * columns + c, block);
+            _mm256_storeu_ps(scores + g * stride + c, block);
             top8[g] = _mm256_max_ps(top8[g], block);
         }
     }
+    float inverse[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         const float *qg = q + g * dim;
-        float *s = scores + g * columns;
+        float *s = scores + g * stride;
         float top = -INFINITY;
         for (int i = 0; i < 8; i++) top = fmaxf(top, top8[g][i]);
         int c = blocked;
         for (; c < columns; c++) {
-            const float *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c, job->shared);
+            const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c, job->shared, bf16);
             float dot = 0.0f;
-            for (int d = 0; d < dim; d++) dot += qg[d] * k[d];
+            for (int d = 0; d < dim; d++) dot += qg[d] * kv_at(k, d, bf16);
             s[c] = dot * job->scale + mask[c];
             top = fmaxf(top, s[c]);
         }
+        for (; c < stride; c++) s[c] = -INFINITY;  /* the row's padding to whole vectors: weight 0 */
         /* exp(score - top), and their sum */
-        const v8 shift = (v8){0} + (top == -INFINITY ? 0.0f : top);
-        v8 total8 = (v8){0};
-        for (c = 0; c + 8 <= columns; c += 8) {
-            const v8 e = exp8(load8(s + c) - shift);
-            store8(s + c, e);
-            total8 += e;
+        const __m256 shift = _mm256_set1_ps(top == -INFINITY ? 0.0f : top);
+        __m256 total8 = _mm256_setzero_ps();
+        for (c = 0; c < stride; c += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), shift));
+            _mm256_storeu_ps(s + c, e);
+            total8 = _mm256_add_ps(total8, e);
         }
-        float total = sum8(total8);
-        for (; c < columns; c++) {
-            s[c] = exp8((v8){0} + (s[c] - shift[0]))[0];
-            total += s[c];
-        }
-        const __m256 inverse = _mm256_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
-        float *o = job->out + (((int64_t)row * job->kv_heads + head) * group + g) * dim;
+        const float total = sum8(total8);
+        inverse[g] = total > 0.0f ? 1.0f / total : 0.0f;
+    }
+    float *o = job->out + ((int64_t)row * job->kv_heads + head) * group * dim;
+    for (int g = 0; g < group; g += 3) {
+        const float *w = scores + g * stride;
         for (int d0 = 0; d0 < dim; d0 += 64) {
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (c = 0; c < columns; c++) {
-                const float *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c, job->shared) + d0;
-                const __m256 w = _mm256_set1_ps(s[c]);
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+            if (group - g >= 3) {
+                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0, 3, 4, bf16);
+                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0 + 32, 3, 4, bf16);
+            } else if (group - g == 2) {
+                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0, 2, 4, bf16);
+                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0 + 32, 2, 4, bf16);
+            } else {
+                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0, 1, 8, bf16);
             }
-            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], inverse));
         }
     }
 }
@@ -152,22 +214,24 @@ static void run_task(const Job *job, int task, float *scores) {
  * over `threads` threads of OpenMP: the same runtime as PyTorch's (the library links libgomp.so.1,
  * which PyTorch has loaded already), so its threads are the ones PyTorch's operators just ran on,
  * not a second pool competing with them for the cores. */
-int spa_decode_attention(const float *query, const float *keys, const float *values, const float *mask,
+int spa_decode_attention(const float *query, const void *keys, const void *values, const float *mask,
                          float *out, int64_t k_row, int64_t k_head, int64_t k_col, int64_t v_row,
                          int64_t v_head, int64_t v_col, int64_t mask_row, int rows, int kv_heads, int group,
-                         int dim, int columns, int shared, float scale, int threads) {
-    if (dim % 64 || dim > 128 || group < 1 || group > MAX_GROUP || rows < 1 || columns < 1) return -1;
+                         int dim, int columns, int shared, int bf16, float scale, int threads) {
+    if (dim % 64 || dim > 128 || group < 1 || group > MAX_GROUP || rows < 1 || columns < 1 || (bf16 & ~1))
+        return -1;
     const Job job = {query, keys, values, mask, out, k_row, k_head, k_col, v_row, v_head, v_col, mask_row,
-                     rows, kv_heads, group, dim, columns, shared, scale};
+                     rows, kv_heads, group, dim, columns, shared, bf16, scale};
     const int tasks = rows * kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * group * columns);
+        float *scores = malloc(sizeof(float) * group * padded(columns));
         failed = scores == NULL;
 #pragma omp for schedule(static)
         for (int task = 0; task < tasks; task++)
-            if (scores) run_task(&job, task, scores);
+            if (scores && bf16) run_task(&job, task, scores, 1);
+            else if (scores) run_task(&job, task, scores, 0);
         free(scores);
     }
     return failed ? -2 : 0;

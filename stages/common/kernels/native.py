@@ -4,22 +4,26 @@ In PyTorch operators a decode step's attention over a KV cache is several kernel
 scores' product, the mask's addition, a softmax's maximum, exponentials and sum, the values'
 product, the merge of the shared and own columns), each a pass over memory, with a few queries a
 key/value head: the operators between the products cost about as much as the products
-(docs/results.md, *The engine's ceiling*). `decode_attention` computes the same attention in one
-C function (``decode_attention.c``): per row and key/value head, the scores of the group's queries
+(docs/results.md, *The engine's ceiling*). `decode_attention` computes the same attention in one C
+function (``decode_attention.c``): per row and key/value head, the scores of the group's queries
 eight columns at a time while those keys are in L1, their exponentials, and the values' weighted
-sum with the accumulators in registers; the columns every row shares are read from row 0, so
-threads working through one head's rows find them in cache. It runs one task per row and head on
-PyTorch's thread count, in OpenMP's threads: the library links libgomp.so.1, which resolves to the
-one PyTorch loaded, so the kernel and PyTorch's operators share one pool of threads rather than
-contend for the cores. float32, AVX2 and FMA.
+sums, three queries at a time with the accumulators in registers so each value is loaded once for
+them; the columns every row shares are read from row 0, so threads working through one head's rows
+find them in cache. It runs one task per row and head on PyTorch's thread count, in OpenMP's
+threads: the library links libgomp.so.1, which resolves to the one PyTorch loaded, so the kernel and
+PyTorch's operators share one pool of threads rather than contend for the cores. AVX2 and FMA. A
+float32 cache is read as it is; a bfloat16 cache is widened to float32 as it is loaded (a bfloat16
+is a float32's upper half), so scores, softmax and the weighted sum are float32 arithmetic in both
+dtypes, rounded to bfloat16 only at the output, where SDPA's bfloat16 kernel rounds too.
 
 The library is compiled once per machine into ``$SPA_CACHE/kernels`` (``cc -O3 -mavx2 -mfma
 -fopenmp``, about a second; ``$CC`` names another compiler) and loaded with ctypes: no PyTorch
-headers, no build step at install. Where it cannot be had (not Linux on x86-64, a CPU without AVX2, no
-compiler, a failed build, a head size other than 64 or 128, more than 16 queries a key/value
+headers, no build step at install. Where it cannot be had (not Linux on x86-64, a CPU without AVX2,
+no compiler, a failed build, a head size other than 64 or 128, more than 16 queries a key/value
 head) `decode_attention` returns None and the caller computes the attention with PyTorch's
-operators, as before. The outputs equal those of SDPA's kernel up to float32 rounding
-(tests/test_kernels_native.py); the exponential is a polynomial within about 2 float32 ulps.
+operators, as before. The outputs equal the exact attention of the same inputs up to float32
+rounding, and a bfloat16 output its rounding (tests/test_kernels_native.py); the exponential is a
+polynomial within about 2 float32 ulps.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: The head sizes and group sizes (query heads per key/value head) the kernel takes.
 HEAD_DIMS, MAX_GROUP = (64, 128), 16
+#: The dtypes of a KV cache the kernel reads (its arithmetic is float32 in both).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 enabled = True  #: false keeps PyTorch's operators: benchmarks time them beside the kernel
 
 
@@ -54,18 +60,21 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Attention of a one-token ``query`` ``[rows, heads, 1, dim]`` over ``key``/``value`` ``[rows,
     kv_heads, columns, dim]`` (views of a cache are fine: only the last dimension must be dense)
     under the additive ``mask`` ``[rows or 1, 1, 1, columns]``; columns ``[0, shared)`` hold the
-    same keys and values in every row and are read from row 0. float32 on a CPU. Returns ``[rows,
-    1, heads, dim]``, or None where the kernel does not apply (see the module docstring)."""
+    same keys and values in every row and are read from row 0. On a CPU, keys and values both float32
+    or both bfloat16, computed in float32. Returns ``[rows, 1, heads, dim]`` in the query's dtype, or
+    None where the kernel does not apply (see the module docstring)."""
     rows, heads, _, dim = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
     group = heads // kv_heads
     library = _library() if enabled else None
     if (library is None or dim not in HEAD_DIMS or group > MAX_GROUP or columns == 0
-            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (query, key, value, mask))
+            or key.dtype not in CACHE_DTYPES or value.dtype != key.dtype
+            or any(t.device.type != "cpu" for t in (query, key, value, mask))
             or key.stride(-1) != 1 or value.stride(-1) != 1):
         return None
-    grouped = query.reshape(rows, kv_heads, group, dim).contiguous()
-    mask = mask.reshape(mask.shape[0], columns)
+    # The query and mask are a few numbers a row: widened here; the cache, the large operand, in C.
+    grouped = query.reshape(rows, kv_heads, group, dim).to(torch.float32).contiguous()
+    mask = mask.reshape(mask.shape[0], columns).to(torch.float32)
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     out = torch.empty_like(grouped)
@@ -73,10 +82,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         status = library.spa_decode_attention(
             grouped.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), out.data_ptr(),
             *key.stride()[:3], *value.stride()[:3], mask.stride(0) if mask.shape[0] > 1 else 0,
-            rows, kv_heads, group, dim, columns, shared, scale, torch.get_num_threads())
+            rows, kv_heads, group, dim, columns, shared, int(key.dtype == torch.bfloat16), scale,
+            torch.get_num_threads())
     if status != 0:
         return None
-    return out.view(rows, 1, heads, dim)
+    return out.view(rows, 1, heads, dim).to(query.dtype)
 
 
 @functools.cache
@@ -89,7 +99,7 @@ def _library() -> ctypes.CDLL | None:
     library = ctypes.CDLL(str(path))
     function = library.spa_decode_attention
     function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_int] * 6
+    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_int] * 7
                          + [ctypes.c_float, ctypes.c_int])
     return library
 
