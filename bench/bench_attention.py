@@ -1,7 +1,7 @@
 """The hf engine's attention kernels on a CPU against SDPA's, at the shapes of bench_generate's rollouts.
 
-SmolLM2-135M's attention (9 query heads on 3 key/value heads of 64), float32, random tensors, 30
-calls a measurement, one per layer, each over its layer's own keys and values (read from memory,
+SmolLM2-135M's attention (9 query heads on 3 key/value heads of 64), float32 (or ``--dtype
+bfloat16``), random tensors, 30 calls a measurement, one per layer, each over its layer's own keys and values (read from memory,
 as a forward reads them), as a decode step or a prefill forward makes them:
 
 * ``decode``: one new token a row over the KV cache, whose first ``--shared`` columns (the
@@ -15,11 +15,12 @@ as a forward reads them), as a decode step or a prefill forward makes them:
 * ``prefill``: ``--new`` new tokens a row, causal among themselves, over ``--cached`` columns, a
   padded row mask (the second turn's prefill of a 16-episode run). ``sdpa`` is SDPA's CPU kernel
   with grouped heads (`grouped_query_sdpa`'s masked path); ``onednn`` is
-  `stages.common.kernels.attention.onednn_masked_attention`.
+  `stages.common.kernels.attention.onednn_masked_attention` (float32 only); ``native`` the C kernel
+  (`stages.common.kernels.native.prefill_attention`).
 
 Each figure is the median of ``--reps`` measurements, milliseconds for the 30 calls; ``max_abs_diff``
-is the largest difference between a variant's output and SDPA's (float32 rounding). Prints one JSON
-object.
+is the largest difference between a variant's output and SDPA's (float32 rounding; in bfloat16,
+each rounded to bfloat16). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def timed(function, reps: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def decode(rows: int, shared: int, own: int, reps: int) -> dict:
+def decode(rows: int, shared: int, own: int, reps: int, dtype) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -58,12 +59,12 @@ def decode(rows: int, shared: int, own: int, reps: int) -> dict:
     from stages.common.kernels.attention import shared_prefix_attention
 
     columns = shared + own
-    keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
-    values = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
+    keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM, dtype=dtype)
+    values = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM, dtype=dtype)
     keys[:, 1:, :, :shared], values[:, 1:, :, :shared] = keys[:, :1, :, :shared], values[:, :1, :, :shared]
     mask = torch.ones(rows, 1, 1, columns, dtype=torch.bool)
     mask[::2, ..., shared:shared + 16] = False  # padding in half the rows
-    query = torch.randn(rows, HEADS, 1, HEAD_DIM)
+    query = torch.randn(rows, HEADS, 1, HEAD_DIM, dtype=dtype)
     scale = HEAD_DIM ** -0.5
 
     def sdpa(layer):
@@ -78,7 +79,7 @@ def decode(rows: int, shared: int, own: int, reps: int) -> dict:
         finally:
             native.enabled = True
 
-    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # as `DecodeStep` passes it
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))  # as `DecodeStep` passes it
 
     def native_kernel(layer):
         return native.decode_attention(query, keys[layer], values[layer], additive, shared, scale)
@@ -92,19 +93,20 @@ def decode(rows: int, shared: int, own: int, reps: int) -> dict:
     return result
 
 
-def prefill(rows: int, new: int, cached: int, reps: int) -> dict:
+def prefill(rows: int, new: int, cached: int, reps: int, dtype) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from stages.common.kernels import native
     from stages.common.kernels.attention import onednn_masked_attention
 
     columns = cached + new
-    keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
-    values = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM)
+    keys = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM, dtype=dtype)
+    values = torch.randn(LAYERS, rows, KV_HEADS, columns, HEAD_DIM, dtype=dtype)
     mask = torch.ones(columns, columns, dtype=torch.bool).tril()[-new:].expand(rows, 1, new, columns).clone()
     for row in range(rows):
         mask[row, ..., cached - 5 * row:cached] = False  # each row's own padding
-    query = torch.randn(rows, HEADS, new, HEAD_DIM)
+    query = torch.randn(rows, HEADS, new, HEAD_DIM, dtype=dtype)
     scale = HEAD_DIM ** -0.5
 
     def sdpa(layer):
@@ -115,9 +117,16 @@ def prefill(rows: int, new: int, cached: int, reps: int) -> dict:
     def onednn(layer):
         return onednn_masked_attention(query, keys[layer], values[layer], mask, scale)
 
-    diff = (onednn(0) - sdpa(0)).abs().max().item()
-    return {"rows": rows, "new_tokens": new, "cached_columns": cached, "sdpa_ms": timed(sdpa, reps),
-            "onednn_ms": timed(onednn, reps), "max_abs_diff": diff}
+    def native_kernel(layer):
+        return native.prefill_attention(query, keys[layer], values[layer], mask, scale)
+
+    result = {"rows": rows, "new_tokens": new, "cached_columns": cached, "sdpa_ms": timed(sdpa, reps)}
+    if dtype == torch.float32:
+        result.update(onednn_ms=timed(onednn, reps), max_abs_diff=(onednn(0) - sdpa(0)).abs().max().item())
+    if native.available():
+        result.update(native_ms=timed(native_kernel, reps),
+                      native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item())
+    return result
 
 
 def main() -> None:
@@ -129,18 +138,22 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=642, help="prefill: cached columns a row")
     parser.add_argument("--prefill-rows", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     import torch
 
     torch.manual_seed(0)
-    result = {"threads": torch.get_num_threads(),
-              "decode": [decode(int(rows), args.shared, args.own, args.reps) for rows in args.rows.split(",")],
-              "prefill": prefill(args.prefill_rows, args.new, args.cached, args.reps)}
+    dtype = getattr(torch, args.dtype)
+    result = {"threads": torch.get_num_threads(), "dtype": args.dtype,
+              "decode": [decode(int(rows), args.shared, args.own, args.reps, dtype) for rows in args.rows.split(",")],
+              "prefill": prefill(args.prefill_rows, args.new, args.cached, args.reps, dtype)}
     for entry in result["decode"]:
         entry["speedup"] = round(entry["sdpa_ms"] / entry["shared_prefix_ms"], 2)
         if "native_ms" in entry:
             entry["native_speedup"] = round(entry["sdpa_ms"] / entry["native_ms"], 2)
-    result["prefill"]["speedup"] = round(result["prefill"]["sdpa_ms"] / result["prefill"]["onednn_ms"], 2)
+    for name in ("onednn", "native"):
+        if f"{name}_ms" in result["prefill"]:
+            result["prefill"][f"{name}_speedup"] = round(result["prefill"]["sdpa_ms"] / result["prefill"][f"{name}_ms"], 2)
     print(json.dumps(result))
 
 

@@ -20,9 +20,10 @@ generation backend differs:
   oneDNN's products (`stages.common.kernels.attention.onednn_masked_attention`) on any CPU, not only
   where PyTorch runs AVX512 kernels (`onednn_prefill_attention_pays`): what that choice saves on an
   AVX2-only CPU (on an AVX512 one the two variants are the same);
-* ``engine_attention_operators``: the engine with its decode steps' attention as PyTorch operators
-  (`stages.common.kernels.attention.shared_prefix_attention`'s products and softmax) instead of one
-  native kernel (`stages.common.kernels.native.decode_attention`);
+* ``engine_attention_operators``: the engine with its attention over the KV cache in PyTorch's
+  operators (the decode steps': `stages.common.kernels.attention.shared_prefix_attention`'s products
+  and softmax; the prefills': SDPA's kernel, or oneDNN's products where they run them) instead of
+  the native kernel (`stages.common.kernels.native`);
 * ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
   rows share (the instruction) in each attention, instead of reading them once for all rows
   (`stages.common.kernels.attention.shared_prefix_attention`);

@@ -31,11 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 #: The operators that do the model's arithmetic: the linear layers (oneDNN's, or PyTorch's BLAS with
-#: --stock), the decode steps' attention (one native kernel, `stages.common.kernels.native`, marked
-#: with its own profiler range; where it does not run, the batched products of the own columns'
-#: attention) and SDPA's kernel.
+#: --stock), the attention over the KV cache (the native kernel, `stages.common.kernels.native`,
+#: marked with its own profiler ranges; where it does not run, the batched products of the own
+#: columns' attention) and SDPA's kernel.
 KERNELS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "spa::decode_attention",
-           "aten::_scaled_dot_product_flash_attention_for_cpu")
+           "spa::prefill_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""`stages.common.kernels.native.decode_attention`, the decode step's attention as one C kernel: it is
-built where the machine can run it, gives the softmax attention computed in float64 up to its
-float32 rounding (over a bfloat16 cache too, then rounded once to bfloat16), and where it cannot be
-had (no compiler, no AVX2) the operators it replaces run."""
+"""`stages.common.kernels.native`, the attention over a KV cache of a decode step and of a prefill as
+one C kernel: it is built where the machine can run it, gives the softmax attention computed in
+float64 up to its float32 rounding (over a bfloat16 cache too, then rounded once to bfloat16), and
+where it cannot be had (no compiler, no AVX2) the operators it replaces run."""
 
 from __future__ import annotations
 
@@ -69,9 +69,9 @@ def float32_bound(query, key, value, scale) -> float:
     one. The weights' and the values' sums add a rounding a column at most (sequential sums). The
     output, an average of values, moves by max|v| times the weights' relative error, twice (sum and
     normaliser)."""
-    rows, heads, _, dim = query.shape
+    rows, heads, tokens, dim = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim).abs()
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads * tokens, dim).abs()
     largest = (grouped @ key.abs().transpose(-1, -2)).max().item() * scale
     score_error = (dim / 8 + 5) * EPS * largest
     weight_error = 2 * score_error + 3 * EPS
@@ -87,7 +87,7 @@ def _kernels_dir():
 def test_the_kernel_is_built_where_the_machine_can_run_it(rebuilt):
     assert native.available() == can_build()
     if can_build():
-        assert list(_kernels_dir().glob("decode_attention-*.so"))
+        assert list(_kernels_dir().glob("attention-*.so"))
 
 
 needs_kernel = pytest.mark.skipif(not can_build(), reason="the kernel needs Linux, AVX2 and a C compiler")
@@ -126,6 +126,61 @@ def test_over_a_bfloat16_cache_the_arithmetic_is_float32(group, dim, shared):
     error = (ours.double() - reference).abs()
     bound = float32_bound(query.float(), key.float(), value.float(), scale) * (1 + BF16_ROUNDING)
     assert (error <= bound + reference.abs() * BF16_ROUNDING).all()
+
+
+def prefill_case(rows: int, kv_heads: int, group: int, tokens: int, cached: int, dtype=torch.float32, seed: int = 0):
+    """A prefill of ``tokens`` new tokens a row over ``cached`` cached columns, as the hf backend
+    runs one: causal among the new tokens, row 1 with padding among its cached columns, the last
+    row's first new token a padding query that may see nothing. Returns (query, key, value, boolean
+    mask ``[rows, 1, tokens, columns]``)."""
+    generator = torch.Generator().manual_seed(seed)
+    columns = cached + tokens
+    key, value = (torch.randn(rows, kv_heads, columns, 64, generator=generator).to(dtype) for _ in range(2))
+    query = torch.randn(rows, kv_heads * group, tokens, 64, generator=generator).to(dtype)
+    keep = torch.ones(tokens, columns, dtype=torch.bool).tril(diagonal=cached).repeat(rows, 1, 1, 1)
+    keep[1, ..., 2:cached // 2] = False
+    keep[-1, :, 0] = False
+    return query, key, value, keep
+
+
+@needs_kernel
+@pytest.mark.parametrize(("group", "tokens", "dtype"), [
+    (3, 20, torch.float32),  # SmolLM2's group: blocks of 16 tokens, then 4
+    (7, 13, torch.float32),  # Qwen2.5-7B's: blocks of 6, 6 and 1
+    (3, 20, torch.bfloat16),
+])
+def test_prefill_attention_equals_the_float64_softmax(group, tokens, dtype):
+    query, key, value, keep = prefill_case(3, 2, group, tokens, cached=29, dtype=dtype)
+    ours = native.prefill_attention(query, key, value, keep, 0.125)
+    assert ours is not None and ours.shape == (3, tokens, 2 * group, 64) and ours.dtype == dtype
+    additive = torch.zeros(keep.shape, dtype=torch.float64).masked_fill_(~keep, float("-inf"))
+    scores = (query.double().reshape(3, 2, group * tokens, 64) @ key.double().transpose(-1, -2) * 0.125)
+    scores = scores.view(3, 2, group, tokens, -1) + additive.view(3, 1, 1, tokens, -1)
+    reference = (scores.softmax(-1) @ value.double()[:, :, None]).nan_to_num(0.0)
+    reference = reference.reshape(3, 2 * group, tokens, 64).transpose(1, 2)
+    bound = float32_bound(query.float(), key.float(), value.float(), 0.125)
+    rounding = BF16_ROUNDING if dtype == torch.bfloat16 else 0.0
+    assert ((ours.double() - reference).abs() <= bound * (1 + rounding) + reference.abs() * rounding).all()
+    assert torch.equal(ours[-1, 0], torch.zeros_like(ours[-1, 0]))  # the padding query: zeros, never NaN
+
+
+@needs_kernel
+def test_a_prefill_over_cached_keys_is_the_kernels_and_gives_sdpas_result(monkeypatch):
+    """`spa_sdpa` sends a masked prefill over cached keys to the kernel (where oneDNN's products do
+    not run it instead), with transformers' output layout."""
+    calls = []
+    real = native.prefill_attention
+    monkeypatch.setattr(native, "prefill_attention", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(attention, "onednn_prefill_attention_pays", lambda: False)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value, keep = prefill_case(3, 2, 3, 7, cached=11)
+    keep[-1, :, 0] = True  # every query sees a column: SDPA's result is then defined everywhere
+    with torch.no_grad():
+        ours, _ = attention.spa_sdpa(module, query, key, value, keep, scaling=0.125)
+    stock, _ = sdpa_attention_forward(module, query, key, value, keep, scaling=0.125)
+    assert calls == [1] and ours.shape == stock.shape == (3, 7, 6, 64)
+    assert (ours - stock).abs().max().item() <= 2 * float32_bound(query, key, value, 0.125)
 
 
 @needs_kernel

@@ -35,9 +35,11 @@ float32 and in bfloat16 (whose cache it reads as bfloat16 and computes on in flo
 A masked prefill over cached keys on a CPU in float32 (outside autograd) multiplies its scores and
 values with oneDNN (`onednn_masked_attention`), as `stages.common.kernels.linear` does the linear
 layers', instead of SDPA's CPU kernel, whose blocks go through the BLAS, where PyTorch runs AVX512
-kernels (`onednn_prefill_attention_pays`): there oneDNN's products outrun those blocks, while on a
-CPU with AVX2 only SDPA's kernel is the faster (docs/results.md, *Attention kernels by CPU*). A
-PyTorch built without oneDNN keeps SDPA's.
+kernels (`onednn_prefill_attention_pays`): there oneDNN's products outrun those blocks and the
+native kernel. Elsewhere (a CPU with AVX2 only, or bfloat16, where oneDNN's products would round
+the scores to bfloat16) the prefill is the native kernel where it runs
+(`native.prefill_attention`), which outruns SDPA's kernel there, else SDPA's (docs/results.md,
+*Attention kernels by CPU*).
 """
 
 from __future__ import annotations
@@ -79,8 +81,13 @@ def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         if shared_columns and query.shape[2] == 1:
             return shared_prefix_attention(query, key, value, attention_mask, shared_columns, scaling), None
         # A prefill over cached keys (the hf backend's); a whole sequence at once stays SDPA's.
-        if 1 < query.shape[2] < key.shape[2] and query.dtype == torch.float32 and onednn_prefill_attention_pays():
-            return onednn_masked_attention(query, key, value, attention_mask, scaling), None
+        if 1 < query.shape[2] < key.shape[2]:
+            if query.dtype == torch.float32 and onednn_prefill_attention_pays():
+                return onednn_masked_attention(query, key, value, attention_mask, scaling), None
+            fused = native.prefill_attention(query, key, value, attention_mask,
+                                             query.shape[-1] ** -0.5 if scaling is None else scaling)
+            if fused is not None:
+                return fused, None
     if not hasattr(sdpa_attention, "pack_gqa"):  # transformers >= 5.20 does this itself
         return grouped_query_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)

@@ -1,29 +1,32 @@
-"""A decode step's attention as one native kernel, built on first use with the machine's C compiler.
+"""Attention over a KV cache as one native kernel, built on first use with the machine's C compiler.
 
 In PyTorch operators a decode step's attention over a KV cache is several kernels per layer (the
 scores' product, the mask's addition, a softmax's maximum, exponentials and sum, the values'
 product, the merge of the shared and own columns), each a pass over memory, with a few queries a
 key/value head: the operators between the products cost about as much as the products
 (docs/results.md, *The engine's ceiling*). `decode_attention` computes the same attention in one C
-function (``decode_attention.c``): per row and key/value head, the scores of the group's queries
-eight columns at a time while those keys are in L1, their exponentials, and the values' weighted
-sums, three queries at a time with the accumulators in registers so each value is loaded once for
-them; the columns every row shares are read from row 0, so threads working through one head's rows
-find them in cache. It runs one task per row and head on PyTorch's thread count, in OpenMP's
-threads: the library links libgomp.so.1, which resolves to the one PyTorch loaded, so the kernel and
-PyTorch's operators share one pool of threads rather than contend for the cores. AVX2 and FMA. A
-float32 cache is read as it is; a bfloat16 cache is widened to float32 as it is loaded (a bfloat16
-is a float32's upper half), so scores, softmax and the weighted sum are float32 arithmetic in both
-dtypes, rounded to bfloat16 only at the output, where SDPA's bfloat16 kernel rounds too.
+function (``attention.c``): per row and key/value head, the scores of the group's queries eight
+columns at a time while those keys are in L1, their exponentials, and the values' weighted sums,
+three queries at a time with the accumulators in registers so each value is loaded once for them;
+the columns every row shares are read from row 0, so threads working through one head's rows find
+them in cache. It runs one task per row and head on PyTorch's thread count, in OpenMP's threads: the
+library links libgomp.so.1, which resolves to the one PyTorch loaded, so the kernel and PyTorch's
+operators share one pool of threads rather than contend for the cores. A prefill's new tokens over
+the cache (`prefill_attention`) are the same computation with several tokens a row, each under its
+own mask row: a task then takes a block of tokens, up to 48 queries, whose scores stay in L2 while
+the values pass reads them. AVX2 and FMA. A float32 cache is read as it is; a bfloat16 cache is
+widened to float32 as it is loaded (a bfloat16 is a float32's upper half), so scores, softmax and
+the weighted sum are float32 arithmetic in both dtypes, rounded to bfloat16 only at the output,
+where SDPA's bfloat16 kernel rounds too.
 
 The library is compiled once per machine into ``$SPA_CACHE/kernels`` (``cc -O3 -mavx2 -mfma
 -fopenmp``, about a second; ``$CC`` names another compiler) and loaded with ctypes: no PyTorch
 headers, no build step at install. Where it cannot be had (not Linux on x86-64, a CPU without AVX2,
 no compiler, a failed build, a head size other than 64 or 128, more than 16 queries a key/value
-head) `decode_attention` returns None and the caller computes the attention with PyTorch's
-operators, as before. The outputs equal the exact attention of the same inputs up to float32
-rounding, and a bfloat16 output its rounding (tests/test_kernels_native.py); the exponential is a
-polynomial within about 2 float32 ulps.
+head) `decode_attention` and `prefill_attention` return None and the caller computes the attention
+with PyTorch's operators, as before. The outputs equal the exact attention of the same inputs up to
+float32 rounding, and a bfloat16 output its rounding (tests/test_kernels_native.py); the exponential
+is a polynomial within about 2 float32 ulps.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("attention.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: The head sizes and group sizes (query heads per key/value head) the kernel takes.
 HEAD_DIMS, MAX_GROUP = (64, 128), 16
@@ -63,30 +66,46 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     same keys and values in every row and are read from row 0. On a CPU, keys and values both float32
     or both bfloat16, computed in float32. Returns ``[rows, 1, heads, dim]`` in the query's dtype, or
     None where the kernel does not apply (see the module docstring)."""
-    rows, heads, _, dim = query.shape
+    return _attention(query, key, value, mask, shared, scale, "spa::decode_attention")
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor | None:
+    """Attention of ``query`` ``[rows, heads, tokens, dim]`` (a prefill's new tokens) over
+    ``key``/``value`` ``[rows, kv_heads, columns, dim]`` (the cache, these tokens' columns included)
+    under ``mask`` ``[rows or 1, 1, tokens or 1, columns]``, boolean (True: attend) or additive; as
+    `decode_attention` otherwise. Returns ``[rows, tokens, heads, dim]``, or None."""
+    return _attention(query, key, value, mask, 0, scale, "spa::prefill_attention")
+
+
+def _attention(query, key, value, mask, shared: int, scale: float, label: str) -> torch.Tensor | None:
+    rows, heads, tokens, dim = query.shape
     kv_heads, columns = key.shape[1], key.shape[2]
     group = heads // kv_heads
     library = _library() if enabled else None
-    if (library is None or dim not in HEAD_DIMS or group > MAX_GROUP or columns == 0
+    if (library is None or dim not in HEAD_DIMS or group > MAX_GROUP or columns == 0 or mask.shape[-1] != columns
             or key.dtype not in CACHE_DTYPES or value.dtype != key.dtype
             or any(t.device.type != "cpu" for t in (query, key, value, mask))
             or key.stride(-1) != 1 or value.stride(-1) != 1):
         return None
-    # The query and mask are a few numbers a row: widened here; the cache, the large operand, in C.
-    grouped = query.reshape(rows, kv_heads, group, dim).to(torch.float32).contiguous()
-    mask = mask.reshape(mask.shape[0], columns).to(torch.float32)
+    # The queries and mask are a few numbers a row or small beside the cache: widened here; the
+    # cache, the large operand, in C.
+    grouped = query.to(torch.float32).contiguous()  # [rows, heads, tokens, dim] = [rows, kv_heads, group, ...]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    mask = mask.to(torch.float32).reshape(mask.shape[0], mask.shape[-2], columns)
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     out = torch.empty_like(grouped)
-    with torch.profiler.record_function("spa::decode_attention"):
-        status = library.spa_decode_attention(
+    with torch.profiler.record_function(label):
+        status = library.spa_attention(
             grouped.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), out.data_ptr(),
             *key.stride()[:3], *value.stride()[:3], mask.stride(0) if mask.shape[0] > 1 else 0,
-            rows, kv_heads, group, dim, columns, shared, int(key.dtype == torch.bfloat16), scale,
-            torch.get_num_threads())
+            mask.stride(1) if mask.shape[1] > 1 else 0, rows, kv_heads, group, tokens, dim, columns, shared,
+            int(key.dtype == torch.bfloat16), scale, torch.get_num_threads())
     if status != 0:
         return None
-    return out.view(rows, 1, heads, dim).to(query.dtype)
+    return out.transpose(1, 2).to(query.dtype).contiguous()
 
 
 @functools.cache
@@ -97,9 +116,9 @@ def _library() -> ctypes.CDLL | None:
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
-    function = library.spa_decode_attention
+    function = library.spa_attention
     function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 7 + [ctypes.c_int] * 7
+    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_int] * 8
                          + [ctypes.c_float, ctypes.c_int])
     return library
 
@@ -113,7 +132,7 @@ def _built() -> Path | None:
     if compiler is None:
         return None
     digest = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS]).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"decode_attention-{digest}.so"
+    path = cache_root() / "kernels" / f"attention-{digest}.so"
     if path.exists():
         return path
     try:

@@ -1,15 +1,18 @@
-/* One decode step's attention, fused: scores, softmax and the values' weighted sum in one pass per
- * (row, key/value head), on the CPU, computed in float32 over keys and values stored in float32 or
- * bfloat16. Built and loaded by stages/common/kernels/native.py, which documents it; C with AVX2 and
- * FMA intrinsics, no PyTorch headers.
+/* Attention over a KV cache, fused: scores, softmax and the values' weighted sum in one pass per
+ * (row, key/value head, block of query tokens), on the CPU, computed in float32 over keys and values
+ * stored in float32 or bfloat16: a decode step's (one token a row) or a prefill's (several, each
+ * under its own mask row). Built and loaded by stages/common/kernels/native.py, which documents it;
+ * C with AVX2 and FMA intrinsics, no PyTorch headers.
  *
- * query  [rows, kv_heads, group, dim] float32, contiguous
+ * query  [rows, kv_heads, group, tokens, dim] float32, contiguous (a [rows, heads, tokens, dim]
+ *   tensor whose head h is key/value head h / group's)
  * keys, values: float32 (bf16 = 0) or bfloat16 (bf16 = 1), with element strides (row, head,
  *   column); the column's `dim` elements are contiguous.
  *   Columns [0, shared) are the same in every row and are read from row 0 (so a thread working
  *   through one head's rows finds them in its cache); columns [shared, columns) are each row's.
- * mask   additive [rows, columns] with row stride mask_row (0: one row for all)
- * out    [rows, kv_heads, group, dim], contiguous: softmax(q.k * scale + mask) . v
+ * mask   additive, token t of row r at mask + r * mask_row + t * mask_token, its columns contiguous
+ *   (a stride of 0: one row, or one token's row, for all)
+ * out    like query: softmax(q.k * scale + mask) . v
  * A query that may see no column (every score -inf) gets zeros.
  */
 #include <immintrin.h>
@@ -19,14 +22,17 @@
 #include <string.h>
 
 #define MAX_GROUP 16
+/* Queries one task computes (its group's heads times a block of tokens): their scores, a row of
+ * `columns` each, stay in L2 while the values pass reads them. */
+#define MAX_QUERIES 48
 
 typedef struct {
     const float *query;
     const char *keys, *values;
     const float *mask;
     float *out;
-    int64_t k_row, k_head, k_col, v_row, v_head, v_col, mask_row;
-    int rows, kv_heads, group, dim, columns, shared, bf16;
+    int64_t k_row, k_head, k_col, v_row, v_head, v_col, mask_row, mask_token;
+    int rows, kv_heads, group, tokens, dim, columns, shared, bf16;
     float scale;
 } Job;
 
@@ -92,16 +98,16 @@ static inline float kv_at(const char *p, int d, int bf16) {
     return x;
 }
 
-/* The weighted sums of the values for `nq` queries of the group (weights `weights`, [nq][columns],
- * rows padded(columns) apart), dimensions [d0, d0 + 8 * vecs), scaled by `inverse` into `out` (rows `dim`
- * apart): each column's values are loaded, and widened, once for all `nq` queries. nq * vecs
- * accumulators, nq broadcast weights and one value vector fit AVX2's 16 registers for the shapes
- * run_task uses (3 x 4, 2 x 4, 1 x 8). */
+/* The weighted sums of the values for `nq` queries (weights `weights`, [nq][columns], rows
+ * padded(columns) apart), dimensions [d0, d0 + 8 * vecs), scaled by `inverse` into `outs`: each
+ * column's values are loaded, and widened, once for all `nq` queries. nq * vecs accumulators, nq
+ * broadcast weights and one value vector fit AVX2's 16 registers for the shapes run_task uses
+ * (3 x 4, 2 x 4, 1 x 8). */
 static inline __attribute__((always_inline)) void weighted_values(const Job *job, int row, int head,
                                                                   const float *weights, const float *inverse,
-                                                                  float *out, int d0, const int nq,
+                                                                  float *const *outs, int d0, const int nq,
                                                                   const int vecs, const int bf16) {
-    const int log_bytes = bf16 ? 1 : 2, columns = job->columns, stride = padded(columns), dim = job->dim;
+    const int log_bytes = bf16 ? 1 : 2, columns = job->columns, stride = padded(columns);
     __m256 acc[3][8];
     for (int g = 0; g < nq; g++)
         for (int j = 0; j < vecs; j++) acc[g][j] = _mm256_setzero_ps();
@@ -117,67 +123,84 @@ static inline __attribute__((always_inline)) void weighted_values(const Job *job
     }
     for (int g = 0; g < nq; g++)
         for (int j = 0; j < vecs; j++)
-            _mm256_storeu_ps(out + g * dim + d0 + 8 * j, _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inverse[g])));
+            _mm256_storeu_ps(outs[g] + d0 + 8 * j, _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inverse[g])));
 }
 
-/* One (row, head): the group's scores into `scores` [group, columns], exponentiated in place, then
- * the values' weighted sums, up to three queries at a time. Inlined into each call with a constant
- * `bf16`, so each element type gets its own loops. */
+/* Tokens a task takes: as many as keep its queries within MAX_QUERIES (one for a decode step). */
+static inline int block_tokens(int group, int tokens) {
+    const int most = MAX_QUERIES / group;
+    return tokens < most ? tokens : most;
+}
+
+/* One (row, head, block of tokens): its queries' scores into `scores` [queries, columns],
+ * exponentiated in place, then the values' weighted sums, up to three queries at a time. Inlined
+ * into each call with a constant `bf16`, so each element type gets its own loops. */
 static inline __attribute__((always_inline)) void run_task(const Job *job, int task, float *scores,
                                                            const int bf16) {
-    const int row = task % job->rows, head = task / job->rows;
+    const int per_block = block_tokens(job->group, job->tokens);
+    const int blocks = (job->tokens + per_block - 1) / per_block;
+    const int block = task % blocks, row = task / blocks % job->rows, head = task / blocks / job->rows;
+    const int first = block * per_block;
+    const int count = job->tokens - first < per_block ? job->tokens - first : per_block;
     const int group = job->group, dim = job->dim, columns = job->columns, stride = padded(columns);
     const int log_bytes = bf16 ? 1 : 2;  /* an element is 1 << log_bytes bytes */
-    const float *q = job->query + ((int64_t)row * job->kv_heads + head) * group * dim;
-    const float *mask = job->mask + row * job->mask_row;
+    const int queries = group * count;
+    /* Query i is head g = i / count's, token first + i % count. */
+    const float *query[MAX_QUERIES], *mask[MAX_QUERIES];
+    float *out[MAX_QUERIES];
+    for (int i = 0; i < queries; i++) {
+        const int g = i / count, token = first + i % count;
+        const int64_t at = ((((int64_t)row * job->kv_heads + head) * group + g) * job->tokens + token) * dim;
+        query[i] = job->query + at;
+        out[i] = job->out + at;
+        mask[i] = job->mask + row * job->mask_row + token * job->mask_token;
+    }
     const __m256 scale = _mm256_set1_ps(job->scale);
-    /* Scores, eight columns at a time, every query of the group while the block's keys are in L1
-     * (a bfloat16 block widened once into `wide`, not once per query). */
-    __m256 top8[MAX_GROUP];
-    for (int g = 0; g < group; g++) top8[g] = _mm256_set1_ps(-INFINITY);
+    /* Scores, eight columns at a time, every query while the block's keys are in L1 (a bfloat16
+     * block widened once into `wide`, not once per query). */
+    __m256 top8[MAX_QUERIES];
+    for (int i = 0; i < queries; i++) top8[i] = _mm256_set1_ps(-INFINITY);
     float wide[8][128];
     const int blocked = columns / 8 * 8;
     for (int c = 0; c < blocked; c += 8) {
         const float *keys[8];
-        for (int i = 0; i < 8; i++) {
-            const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c + i, job->shared,
+        for (int k8 = 0; k8 < 8; k8++) {
+            const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c + k8, job->shared,
                                    bf16);
             if (bf16) {
-                for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide[i] + d, load8_kv(k + (d << 1), 1));
-                keys[i] = wide[i];
+                for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide[k8] + d, load8_kv(k + (d << 1), 1));
+                keys[k8] = wide[k8];
             } else {
-                keys[i] = (const float *)k;
+                keys[k8] = (const float *)k;
             }
             /* the values pass's columns, fetched into L2 while the keys' arithmetic runs */
-            const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c + i, job->shared,
+            const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c + k8, job->shared,
                                    bf16);
             for (int line = 0; line < dim << log_bytes; line += 64) _mm_prefetch(v + line, _MM_HINT_T1);
         }
-        for (int g = 0; g < group; g++) {
-            const float *qg = q + g * dim;
+        for (int i = 0; i < queries; i++) {
             __m256 acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int k8 = 0; k8 < 8; k8++) acc[k8] = _mm256_setzero_ps();
             for (int d = 0; d < dim; d += 8) {
-                const __m256 qd = _mm256_loadu_ps(qg + d);
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(keys[i] + d), qd, acc[i]);
+                const __m256 qd = _mm256_loadu_ps(query[i] + d);
+                for (int k8 = 0; k8 < 8; k8++) acc[k8] = _mm256_fmadd_ps(_mm256_loadu_ps(keys[k8] + d), qd, acc[k8]);
             }
-            const __m256 block = _mm256_fmadd_ps(sums_of_8(acc), scale, _mm256_loadu_ps(mask + c));
-            _mm256_storeu_ps(scores + g * stride + c, block);
-            top8[g] = _mm256_max_ps(top8[g], block);
+            const __m256 scores8 = _mm256_fmadd_ps(sums_of_8(acc), scale, _mm256_loadu_ps(mask[i] + c));
+            _mm256_storeu_ps(scores + i * stride + c, scores8);
+            top8[i] = _mm256_max_ps(top8[i], scores8);
         }
     }
-    float inverse[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        const float *qg = q + g * dim;
-        float *s = scores + g * stride;
+    float inverse[MAX_QUERIES];
+    for (int i = 0; i < queries; i++) {
+        float *s = scores + i * stride;
         float top = -INFINITY;
-        for (int i = 0; i < 8; i++) top = fmaxf(top, top8[g][i]);
+        for (int k8 = 0; k8 < 8; k8++) top = fmaxf(top, top8[i][k8]);
         int c = blocked;
         for (; c < columns; c++) {
             const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c, job->shared, bf16);
             float dot = 0.0f;
-            for (int d = 0; d < dim; d++) dot += qg[d] * kv_at(k, d, bf16);
-            s[c] = dot * job->scale + mask[c];
+            for (int d = 0; d < dim; d++) dot += query[i][d] * kv_at(k, d, bf16);
+            s[c] = dot * job->scale + mask[i][c];
             top = fmaxf(top, s[c]);
         }
         for (; c < stride; c++) s[c] = -INFINITY;  /* the row's padding to whole vectors: weight 0 */
@@ -190,43 +213,44 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
             total8 = _mm256_add_ps(total8, e);
         }
         const float total = sum8(total8);
-        inverse[g] = total > 0.0f ? 1.0f / total : 0.0f;
+        inverse[i] = total > 0.0f ? 1.0f / total : 0.0f;
     }
-    float *o = job->out + ((int64_t)row * job->kv_heads + head) * group * dim;
-    for (int g = 0; g < group; g += 3) {
-        const float *w = scores + g * stride;
+    for (int i = 0; i < queries; i += 3) {
+        const float *w = scores + i * stride;
         for (int d0 = 0; d0 < dim; d0 += 64) {
-            if (group - g >= 3) {
-                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0, 3, 4, bf16);
-                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0 + 32, 3, 4, bf16);
-            } else if (group - g == 2) {
-                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0, 2, 4, bf16);
-                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0 + 32, 2, 4, bf16);
+            if (queries - i >= 3) {
+                weighted_values(job, row, head, w, inverse + i, out + i, d0, 3, 4, bf16);
+                weighted_values(job, row, head, w, inverse + i, out + i, d0 + 32, 3, 4, bf16);
+            } else if (queries - i == 2) {
+                weighted_values(job, row, head, w, inverse + i, out + i, d0, 2, 4, bf16);
+                weighted_values(job, row, head, w, inverse + i, out + i, d0 + 32, 2, 4, bf16);
             } else {
-                weighted_values(job, row, head, w, inverse + g, o + g * dim, d0, 1, 8, bf16);
+                weighted_values(job, row, head, w, inverse + i, out + i, d0, 1, 8, bf16);
             }
         }
     }
 }
 
 /* Returns 0, or -1 for shapes it does not take (the caller keeps its other path), or -2 when it
- * could not allocate. The (row, head) tasks are ordered head-major and split in contiguous blocks
- * over `threads` threads of OpenMP: the same runtime as PyTorch's (the library links libgomp.so.1,
- * which PyTorch has loaded already), so its threads are the ones PyTorch's operators just ran on,
- * not a second pool competing with them for the cores. */
-int spa_decode_attention(const float *query, const void *keys, const void *values, const float *mask,
-                         float *out, int64_t k_row, int64_t k_head, int64_t k_col, int64_t v_row,
-                         int64_t v_head, int64_t v_col, int64_t mask_row, int rows, int kv_heads, int group,
-                         int dim, int columns, int shared, int bf16, float scale, int threads) {
-    if (dim % 64 || dim > 128 || group < 1 || group > MAX_GROUP || rows < 1 || columns < 1 || (bf16 & ~1))
+ * could not allocate. The (row, head, block of tokens) tasks are ordered head-major and split in
+ * contiguous blocks over `threads` threads of OpenMP: the same runtime as PyTorch's (the library
+ * links libgomp.so.1, which PyTorch has loaded already), so its threads are the ones PyTorch's
+ * operators just ran on, not a second pool competing with them for the cores. */
+int spa_attention(const float *query, const void *keys, const void *values, const float *mask, float *out,
+                  int64_t k_row, int64_t k_head, int64_t k_col, int64_t v_row, int64_t v_head, int64_t v_col,
+                  int64_t mask_row, int64_t mask_token, int rows, int kv_heads, int group, int tokens, int dim,
+                  int columns, int shared, int bf16, float scale, int threads) {
+    if (dim % 64 || dim > 128 || group < 1 || group > MAX_GROUP || rows < 1 || tokens < 1 || columns < 1
+            || (bf16 & ~1))
         return -1;
-    const Job job = {query, keys, values, mask, out, k_row, k_head, k_col, v_row, v_head, v_col, mask_row,
-                     rows, kv_heads, group, dim, columns, shared, bf16, scale};
-    const int tasks = rows * kv_heads;
+    const Job job = {query, keys, values, mask, out, k_row, k_head, k_col, v_row, v_head, v_col, mask_row, mask_token,
+                     rows, kv_heads, group, tokens, dim, columns, shared, bf16, scale};
+    const int per_block = block_tokens(group, tokens);
+    const int tasks = rows * kv_heads * ((tokens + per_block - 1) / per_block);
     int failed = 0;
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * group * padded(columns));
+        float *scores = malloc(sizeof(float) * group * per_block * padded(columns));
         failed = scores == NULL;
 #pragma omp for schedule(static)
         for (int task = 0; task < tasks; task++)
