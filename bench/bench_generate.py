@@ -197,7 +197,8 @@ def main() -> None:
 
         args.dtype = str(pick_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")).removeprefix("torch.")
     bf16 = ["engine_bf16", "engine_autocast", "vllm_bf16"] if args.dtype == "bfloat16" else []
-    variants = args.variants.split(",") + [variant for variant in bf16 if variant != "vllm_bf16" or "vllm" in args.variants.split(",")]
+    asked = args.variants.split(",")
+    variants = list(dict.fromkeys(asked + [variant for variant in bf16 if variant != "vllm_bf16" or "vllm" in asked]))
     argv = [f"--model={args.model}", f"--env={args.env}", f"--group-size={args.group_size}",
             f"--max-turns={args.max_turns}", f"--max-new-tokens={args.max_new_tokens}"]
     result = {"model": args.model, "env": args.env, "max_turns": args.max_turns,
@@ -208,12 +209,12 @@ def main() -> None:
                 if variant != "naive" or batch == min(batches)}
         result[f"batch_{batch}"] = runs
         for suffix in ("", "_bf16"):  # each engine against the other variants in its dtype
-            engine = runs.get(f"engine{suffix}")
             for other in ("vllm", "engine_stock", "engine_transformers_forward", "engine_onednn_prefill_attention",
                           "engine_attention_operators", "engine_copied_prefix"):
-                if engine and other + suffix in runs:
-                    rate = engine["tokens_per_s"] / runs[other + suffix]["tokens_per_s"]
+                if f"engine{suffix}" in runs and other + suffix in runs:
+                    rate = runs[f"engine{suffix}"]["tokens_per_s"] / runs[other + suffix]["tokens_per_s"]
                     runs[f"engine_vs_{other.removeprefix('engine_')}{suffix}_tokens_per_s"] = round(rate, 2)
+        engine = runs.get("engine")
         if engine and "naive" in runs:
             runs["speedup_tokens_per_s"] = round(engine["tokens_per_s"] / runs["naive"]["tokens_per_s"], 2)
             runs["speedup_episodes_per_min"] = round(engine["episodes_per_min"] / runs["naive"]["episodes_per_min"], 2)
