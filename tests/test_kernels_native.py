@@ -199,6 +199,7 @@ def test_shapes_the_kernel_does_not_take_go_back_to_the_operators():
     assert native.decode_attention(query[..., :32], key[..., :32], value[..., :32], mask, 4, 0.1) is None  # dim 32
     assert native.decode_attention(query.double(), key.double(), value.double(), mask.double(), 4, 0.1) is None
     assert native.decode_attention(query, key, value.to(torch.bfloat16), mask, 4, 0.1) is None  # mixed cache
+    assert native.decode_attention(query, key, value, mask.expand(2, 6, 1, 8), 4, 0.1) is None  # a mask per head
     assert native.decode_attention(query, key.transpose(-1, -2).contiguous().transpose(-1, -2), value, mask, 4,
                                    0.1) is None  # keys not dense along the head dimension
 

@@ -83,7 +83,8 @@ def _attention(query, key, value, mask, shared: int, scale: float, label: str) -
     kv_heads, columns = key.shape[1], key.shape[2]
     group = heads // kv_heads
     library = _library() if enabled else None
-    if (library is None or dim not in HEAD_DIMS or group > MAX_GROUP or columns == 0 or mask.shape[-1] != columns
+    if (library is None or dim not in HEAD_DIMS or group > MAX_GROUP or columns == 0
+            or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != columns  # one mask for all heads
             or key.dtype not in CACHE_DTYPES or value.dtype != key.dtype
             or any(t.device.type != "cpu" for t in (query, key, value, mask))
             or key.stride(-1) != 1 or value.stride(-1) != 1):
