@@ -6,8 +6,9 @@
   the kernels it calls: prefix-tree-packed rows, a decode step's grouped heads without a KV copy,
   the columns every row shares read once for all rows, a prefill over cached keys as oneDNN
   products.
-* `native`: a decode step's attention as one C kernel (scores, softmax and the values' sum in one
-  pass), compiled on first use with the machine's C compiler, for x86 CPUs with AVX2.
+* `native`: the attention over a KV cache, a decode step's or a prefill's, as one C kernel (scores,
+  softmax and the values' sum in one pass, float32 arithmetic over a float32 or bfloat16 cache),
+  compiled on first use with the machine's C compiler, for x86 CPUs with AVX2.
 * `decode`: a decode step of a Llama-family model as one loop over its layers on its own weights,
   with fewer operators and none of transformers' per-module machinery (the hf backend's, on a CPU).
 

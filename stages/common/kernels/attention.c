@@ -32,7 +32,7 @@ typedef struct {
     const float *mask;
     float *out;
     int64_t k_row, k_head, k_col, v_row, v_head, v_col, mask_row, mask_token;
-    int rows, kv_heads, group, tokens, dim, columns, shared, bf16;
+    int rows, kv_heads, group, tokens, dim, columns, shared;
     float scale;
 } Job;
 
@@ -244,7 +244,7 @@ int spa_attention(const float *query, const void *keys, const void *values, cons
             || (bf16 & ~1))
         return -1;
     const Job job = {query, keys, values, mask, out, k_row, k_head, k_col, v_row, v_head, v_col, mask_row, mask_token,
-                     rows, kv_heads, group, tokens, dim, columns, shared, bf16, scale};
+                     rows, kv_heads, group, tokens, dim, columns, shared, scale};
     const int per_block = block_tokens(group, tokens);
     const int tasks = rows * kv_heads * ((tokens + per_block - 1) / per_block);
     int failed = 0;

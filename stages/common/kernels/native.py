@@ -53,8 +53,8 @@ enabled = True  #: false keeps PyTorch's operators: benchmarks time them beside 
 
 
 def available() -> bool:
-    """Whether `decode_attention` runs here: this platform and CPU take it and its library is built
-    (building it now if needed)."""
+    """Whether the kernel runs here: this platform and CPU take it and its library is built (building
+    it now if needed)."""
     return enabled and _library() is not None
 
 
