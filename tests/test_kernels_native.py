@@ -64,7 +64,8 @@ def float64_attention(query, key, value, mask, scale):
 def float32_bound(query, key, value, scale) -> float:
     """How far the kernel's float32 arithmetic may land from the float64 attention. A score sums
     dim / 8 products per lane and then 8 lanes (3 levels), then is scaled and masked: at most
-    (dim / 8 + 5) roundings of the largest sum of |q k| scale. Its weight exp(score - top) moves by
+    (dim / 8 + 5) roundings of the largest sum of |q k| scale (AVX512-BF16's dot products: dim / 16
+    additions a lane, then 16 lanes in 4 levels, fewer). Its weight exp(score - top) moves by
     twice that error relatively (score and top), plus the exponential's 2 ulps and the subtraction's
     one. The weights' and the values' sums add a rounding a column at most (sequential sums). The
     output, an average of values, moves by max|v| times the weights' relative error, twice (sum and
@@ -110,13 +111,30 @@ def test_decode_attention_equals_the_float64_softmax(rows, kv_heads, group, dim,
         assert torch.equal(ours[-1], torch.zeros_like(ours[-1]))
 
 
+def cpu_has_bf16_dots() -> bool:
+    """What /proc/cpuinfo says of AVX512-BF16 (the kernel asks the CPU itself)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        return "avx512_bf16" in cpuinfo.read().split()
+
+
 @needs_kernel
+def test_bf16_dot_products_are_used_exactly_where_the_cpu_has_them(monkeypatch):
+    assert native.bf16_dots() == cpu_has_bf16_dots()
+    monkeypatch.setattr(native, "bf16_dots_enabled", False)
+    assert not native.bf16_dots()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dots", [True, False], ids=["bf16_dots_where_the_cpu_has_them", "widened"])
 @pytest.mark.parametrize(("group", "dim", "shared"), [(3, 64, 13), (7, 128, 0)])
-def test_over_a_bfloat16_cache_the_arithmetic_is_float32(group, dim, shared):
+def test_over_a_bfloat16_cache_the_arithmetic_is_float32(monkeypatch, group, dim, shared, dots):
     """A bfloat16 cache (the engine's in `model.dtype: bfloat16`) read by the same float32
-    arithmetic: the output is the float64 attention of the same bfloat16 numbers within the float32
-    bound, plus one rounding to bfloat16 at the end, not bfloat16's error compounded through the
-    scores and the softmax."""
+    arithmetic, its scores by AVX512-BF16's dot products where the CPU has them (bfloat16 products
+    are exact in float32) or by widening each key: the output is the float64 attention of the same
+    bfloat16 numbers within the float32 bound, plus one rounding to bfloat16 at the end, not
+    bfloat16's error compounded through the scores and the softmax. 27 own columns: the 16-column
+    blocks of the dot products end in a partial one."""
+    monkeypatch.setattr(native, "bf16_dots_enabled", dots)
     tensors = decode_case(4, 2, group, dim, shared, 27, capacity=shared + 40)
     query, key, value, mask = (t.to(torch.bfloat16) for t in tensors)
     scale = dim ** -0.5
@@ -126,6 +144,19 @@ def test_over_a_bfloat16_cache_the_arithmetic_is_float32(group, dim, shared):
     error = (ours.double() - reference).abs()
     bound = float32_bound(query.float(), key.float(), value.float(), scale) * (1 + BF16_ROUNDING)
     assert (error <= bound + reference.abs() * BF16_ROUNDING).all()
+
+
+@needs_kernel
+def test_a_float32_query_over_a_bfloat16_cache_is_not_rounded():
+    """The dot products take bfloat16 queries only: a float32 query (not a bfloat16 number) over a
+    bfloat16 cache keeps its float32 digits, within the float32 bound of the exact attention, where
+    rounding it to bfloat16 would move the scores by about 2^-9 of their size."""
+    query, key, value, mask = decode_case(4, 2, 3, 64, 13, 27, capacity=60)
+    key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
+    ours = native.decode_attention(query, key, value, mask, 13, 0.125)
+    assert ours is not None and ours.dtype == torch.float32
+    reference = float64_attention(query, key, value, mask, 0.125)
+    assert (ours.double() - reference).abs().max().item() <= float32_bound(query, key.float(), value.float(), 0.125)
 
 
 def prefill_case(rows: int, kv_heads: int, group: int, tokens: int, cached: int, dtype=torch.float32, seed: int = 0):
@@ -144,12 +175,15 @@ def prefill_case(rows: int, kv_heads: int, group: int, tokens: int, cached: int,
 
 
 @needs_kernel
-@pytest.mark.parametrize(("group", "tokens", "dtype"), [
-    (3, 20, torch.float32),  # SmolLM2's group: blocks of 16 tokens, then 4
-    (7, 13, torch.float32),  # Qwen2.5-7B's: blocks of 6, 6 and 1
-    (3, 20, torch.bfloat16),
+@pytest.mark.parametrize(("group", "tokens", "dtype", "dots"), [
+    (3, 20, torch.float32, False),  # SmolLM2's group: blocks of 16 tokens, then 4
+    (7, 13, torch.float32, False),  # Qwen2.5-7B's: blocks of 6, 6 and 1
+    (3, 20, torch.bfloat16, True),
+    (3, 20, torch.bfloat16, False),
+    (7, 13, torch.bfloat16, True),
 ])
-def test_prefill_attention_equals_the_float64_softmax(group, tokens, dtype):
+def test_prefill_attention_equals_the_float64_softmax(monkeypatch, group, tokens, dtype, dots):
+    monkeypatch.setattr(native, "bf16_dots_enabled", dots)
     query, key, value, keep = prefill_case(3, 2, group, tokens, cached=29, dtype=dtype)
     ours = native.prefill_attention(query, key, value, keep, 0.125)
     assert ours is not None and ours.shape == (3, tokens, 2 * group, 64) and ours.dtype == dtype

@@ -2,10 +2,12 @@
  * (row, key/value head, block of query tokens), on the CPU, computed in float32 over keys and values
  * stored in float32 or bfloat16: a decode step's (one token a row) or a prefill's (several, each
  * under its own mask row). Built and loaded by stages/common/kernels/native.py, which documents it;
- * C with AVX2 and FMA intrinsics, no PyTorch headers.
+ * C with AVX2 and FMA intrinsics, no PyTorch headers; over a bfloat16 cache with bfloat16 queries,
+ * AVX512-BF16's dot products and AVX512's registers where the CPU has them (spa_bf16_dots).
  *
  * query  [rows, kv_heads, group, tokens, dim] float32, contiguous (a [rows, heads, tokens, dim]
  *   tensor whose head h is key/value head h / group's)
+ *   (bf16_queries = 1: its numbers are bfloat16's, so the dot products may take them as bfloat16)
  * keys, values: float32 (bf16 = 0) or bfloat16 (bf16 = 1), with element strides (row, head,
  *   column); the column's `dim` elements are contiguous.
  *   Columns [0, shared) are the same in every row and are read from row 0 (so a thread working
@@ -20,6 +22,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Compilers that emit AVX512-BF16 for a function of its own (target attribute), used only where
+ * the CPU has it (spa_bf16_dots). */
+#if (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 11)
+#define SPA_BF16_DOTS 1
+#endif
 
 #define MAX_GROUP 16
 /* Queries one task computes (its group's heads times a block of tokens): their scores, a row of
@@ -98,6 +106,13 @@ static inline float kv_at(const char *p, int d, int bf16) {
     return x;
 }
 
+/* Column c's values for a head, fetched into L2 while the keys' arithmetic runs, for the values
+ * pass that follows. */
+static inline void prefetch_values(const Job *job, int row, int head, int c, int bf16) {
+    const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c, job->shared, bf16);
+    for (int line = 0; line < job->dim << (bf16 ? 1 : 2); line += 64) _mm_prefetch(v + line, _MM_HINT_T1);
+}
+
 /* The weighted sums of the values for `nq` queries (weights `weights`, [nq][columns], rows
  * padded(columns) apart), dimensions [d0, d0 + 8 * vecs), scaled by `inverse` into `outs`: each
  * column's values are loaded, and widened, once for all `nq` queries. nq * vecs accumulators, nq
@@ -132,32 +147,15 @@ static inline int block_tokens(int group, int tokens) {
     return tokens < most ? tokens : most;
 }
 
-/* One (row, head, block of tokens): its queries' scores into `scores` [queries, columns],
- * exponentiated in place, then the values' weighted sums, up to three queries at a time. Inlined
- * into each call with a constant `bf16`, so each element type gets its own loops. */
-static inline __attribute__((always_inline)) void run_task(const Job *job, int task, float *scores,
-                                                           const int bf16) {
-    const int per_block = block_tokens(job->group, job->tokens);
-    const int blocks = (job->tokens + per_block - 1) / per_block;
-    const int block = task % blocks, row = task / blocks % job->rows, head = task / blocks / job->rows;
-    const int first = block * per_block;
-    const int count = job->tokens - first < per_block ? job->tokens - first : per_block;
-    const int group = job->group, dim = job->dim, columns = job->columns, stride = padded(columns);
-    const int log_bytes = bf16 ? 1 : 2;  /* an element is 1 << log_bytes bytes */
-    const int queries = group * count;
-    /* Query i is head g = i / count's, token first + i % count. */
-    const float *query[MAX_QUERIES], *mask[MAX_QUERIES];
-    float *out[MAX_QUERIES];
-    for (int i = 0; i < queries; i++) {
-        const int g = i / count, token = first + i % count;
-        const int64_t at = ((((int64_t)row * job->kv_heads + head) * group + g) * job->tokens + token) * dim;
-        query[i] = job->query + at;
-        out[i] = job->out + at;
-        mask[i] = job->mask + row * job->mask_row + token * job->mask_token;
-    }
+/* The scores of `queries` queries (`scores` [queries, padded(columns)], scaled and masked) and each
+ * one's maximum (`top`), eight columns at a time, every query while the block's keys are in L1 (a
+ * bfloat16 block widened once into `wide`, not once per query). */
+static inline __attribute__((always_inline)) void widened_scores(const Job *job, int row, int head,
+                                                                 const float *const *query,
+                                                                 const float *const *mask, int queries,
+                                                                 float *scores, float *top, const int bf16) {
+    const int dim = job->dim, columns = job->columns, stride = padded(columns);
     const __m256 scale = _mm256_set1_ps(job->scale);
-    /* Scores, eight columns at a time, every query while the block's keys are in L1 (a bfloat16
-     * block widened once into `wide`, not once per query). */
     __m256 top8[MAX_QUERIES];
     for (int i = 0; i < queries; i++) top8[i] = _mm256_set1_ps(-INFINITY);
     float wide[8][128];
@@ -173,10 +171,7 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
             } else {
                 keys[k8] = (const float *)k;
             }
-            /* the values pass's columns, fetched into L2 while the keys' arithmetic runs */
-            const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c + k8, job->shared,
-                                   bf16);
-            for (int line = 0; line < dim << log_bytes; line += 64) _mm_prefetch(v + line, _MM_HINT_T1);
+            prefetch_values(job, row, head, c + k8, bf16);
         }
         for (int i = 0; i < queries; i++) {
             __m256 acc[8];
@@ -190,24 +185,177 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
             top8[i] = _mm256_max_ps(top8[i], scores8);
         }
     }
-    float inverse[MAX_QUERIES];
     for (int i = 0; i < queries; i++) {
         float *s = scores + i * stride;
-        float top = -INFINITY;
-        for (int k8 = 0; k8 < 8; k8++) top = fmaxf(top, top8[i][k8]);
-        int c = blocked;
-        for (; c < columns; c++) {
+        top[i] = -INFINITY;
+        for (int k8 = 0; k8 < 8; k8++) top[i] = fmaxf(top[i], top8[i][k8]);
+        for (int c = blocked; c < columns; c++) {
             const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c, job->shared, bf16);
             float dot = 0.0f;
             for (int d = 0; d < dim; d++) dot += query[i][d] * kv_at(k, d, bf16);
             s[c] = dot * job->scale + mask[i][c];
-            top = fmaxf(top, s[c]);
+            top[i] = fmaxf(top[i], s[c]);
         }
-        for (; c < stride; c++) s[c] = -INFINITY;  /* the row's padding to whole vectors: weight 0 */
+    }
+}
+
+#ifdef SPA_BF16_DOTS
+#define BF16_DOTS_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+
+/* Sixteen dot products at once: lane k of the result is sum(acc[k]), by halving the vectors and
+ * their lanes in four rounds of shuffles and additions. */
+static inline BF16_DOTS_TARGET __m512 sums_of_16(const __m512 acc[16]) {
+    __m512 pairs[8], quads[4], halves[2];
+    for (int j = 0; j < 8; j++)  /* keys 2j, 2j+1 interleaved: two partial sums each per 128 bits */
+        pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * j], acc[2 * j + 1]),
+                                 _mm512_unpackhi_ps(acc[2 * j], acc[2 * j + 1]));
+    for (int j = 0; j < 4; j++)  /* keys 4j..4j+3, one partial sum each per 128 bits */
+        quads[j] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(pairs[2 * j], pairs[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int j = 0; j < 2; j++)  /* 128-bit blocks: quad 2j's two halves' sums, then quad 2j + 1's */
+        halves[j] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(quads[2 * j], quads[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* `keys` (n of them, n <= 16) dotted with one query's `q` (`pairs` vectors of 32 bfloat16) into
+ * 16 lanes, the keys beyond n as 0. */
+static inline __attribute__((always_inline)) BF16_DOTS_TARGET __m512
+dots_of_16(const uint16_t *const *keys, const __m512bh *q, const int n, const int pairs) {
+    __m512 acc[16];
+    for (int k = 0; k < 16; k++) {
+        acc[k] = _mm512_setzero_ps();
+        if (k < n)
+            for (int p = 0; p < pairs; p++)
+                acc[k] = _mm512_dpbf16_ps(acc[k], q[p], (__m512bh)_mm512_loadu_si512(keys[k] + 32 * p));
+    }
+    return sums_of_16(acc);
+}
+
+/* weighted_values in AVX512 registers over a bfloat16 cache, all `dim` dimensions at once: nq * vecs
+ * accumulators of 16 floats within AVX512's 32 registers (6 x 4 for a head of 64, 3 x 8 of 128). */
+static inline __attribute__((always_inline)) BF16_DOTS_TARGET void
+weighted_values_16(const Job *job, int row, int head, const float *weights, const float *inverse,
+                   float *const *outs, const int nq, const int vecs) {
+    const int columns = job->columns, stride = padded(columns);
+    __m512 acc[6][8];
+    for (int g = 0; g < nq; g++)
+        for (int j = 0; j < vecs; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int c = 0; c < columns; c++) {
+        const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c, job->shared, 1);
+        __m512 w[6];
+        for (int g = 0; g < nq; g++) w[g] = _mm512_set1_ps(weights[g * stride + c]);
+        for (int j = 0; j < vecs; j++) {
+            const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + 32 * j)));
+            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+            for (int g = 0; g < nq; g++) acc[g][j] = _mm512_fmadd_ps(w[g], x, acc[g][j]);
+        }
+    }
+    for (int g = 0; g < nq; g++)
+        for (int j = 0; j < vecs; j++)
+            _mm512_storeu_ps(outs[g] + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inverse[g])));
+}
+
+/* All queries' weighted sums by weighted_values_16, up to 6 (head of 64) or 3 (128) at a time. */
+static BF16_DOTS_TARGET void values_by_16(const Job *job, int row, int head, const float *scores,
+                                          const float *inverse, float *const *outs, int queries) {
+    const int stride = padded(job->columns), most = job->dim == 64 ? 6 : 3;
+    for (int i = 0; i < queries; i += most) {
+        const int nq = queries - i < most ? queries - i : most;
+        const float *w = scores + i * stride;
+        if (job->dim == 128) {
+            if (nq == 3) weighted_values_16(job, row, head, w, inverse + i, outs + i, 3, 8);
+            else if (nq == 2) weighted_values_16(job, row, head, w, inverse + i, outs + i, 2, 8);
+            else weighted_values_16(job, row, head, w, inverse + i, outs + i, 1, 8);
+        } else {
+            switch (nq) {
+            case 6: weighted_values_16(job, row, head, w, inverse + i, outs + i, 6, 4); break;
+            case 5: weighted_values_16(job, row, head, w, inverse + i, outs + i, 5, 4); break;
+            case 4: weighted_values_16(job, row, head, w, inverse + i, outs + i, 4, 4); break;
+            case 3: weighted_values_16(job, row, head, w, inverse + i, outs + i, 3, 4); break;
+            case 2: weighted_values_16(job, row, head, w, inverse + i, outs + i, 2, 4); break;
+            default: weighted_values_16(job, row, head, w, inverse + i, outs + i, 1, 4);
+            }
+        }
+    }
+}
+
+/* widened_scores over a bfloat16 cache with bfloat16 queries, by AVX512-BF16's dot products: each
+ * instruction multiplies 32 pairs of bfloat16 exactly and adds them into 16 float32 sums, so a key
+ * is neither widened nor stored, and the sums are float32 as widened_scores' are (up to the order
+ * of additions; denormal inputs count as 0). Sixteen columns at a time. */
+static BF16_DOTS_TARGET void scores_by_bf16_dots(const Job *job, int row, int head, const float *const *query,
+                                                 const float *const *mask, int queries, float *scores,
+                                                 float *top) {
+    const int dim = job->dim, columns = job->columns, stride = padded(columns), pairs = dim / 32;
+    __m512bh q[MAX_QUERIES][4];
+    __m512 top16[MAX_QUERIES];
+    for (int i = 0; i < queries; i++) {
+        for (int p = 0; p < pairs; p++)  /* exact: the queries are bfloat16 numbers */
+            q[i][p] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(query[i] + 32 * p + 16), _mm512_loadu_ps(query[i] + 32 * p));
+        top16[i] = _mm512_set1_ps(-INFINITY);
+    }
+    const __m512 scale = _mm512_set1_ps(job->scale), minus_infinity = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < columns; c += 16) {
+        const int n = columns - c < 16 ? columns - c : 16;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        const uint16_t *keys[16];
+        for (int k = 0; k < n; k++) {
+            keys[k] = (const uint16_t *)column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c + k,
+                                               job->shared, 1);
+            prefetch_values(job, row, head, c + k, 1);
+        }
+        for (int i = 0; i < queries; i++) {
+            const __m512 sums = n == 16 ? (pairs == 2 ? dots_of_16(keys, q[i], 16, 2) : dots_of_16(keys, q[i], 16, 4))
+                                        : (pairs == 2 ? dots_of_16(keys, q[i], n, 2) : dots_of_16(keys, q[i], n, 4));
+            const __m512 s = _mm512_mask_blend_ps(
+                valid, minus_infinity, _mm512_fmadd_ps(sums, scale, _mm512_maskz_loadu_ps(valid, mask[i] + c)));
+            _mm512_mask_storeu_ps(scores + i * stride + c, valid, s);
+            top16[i] = _mm512_max_ps(top16[i], s);
+        }
+    }
+    for (int i = 0; i < queries; i++) top[i] = _mm512_reduce_max_ps(top16[i]);
+}
+#endif
+
+/* One (row, head, block of tokens): its queries' scores into `scores` [queries, columns],
+ * exponentiated in place, then the values' weighted sums, up to three queries at a time. Inlined
+ * into each call with a constant `bf16`, so each element type gets its own loops; `dots` (with
+ * bf16) takes the scores by bfloat16 dot products. */
+static inline __attribute__((always_inline)) void run_task(const Job *job, int task, float *scores,
+                                                           const int bf16, const int dots) {
+    const int per_block = block_tokens(job->group, job->tokens);
+    const int blocks = (job->tokens + per_block - 1) / per_block;
+    const int block = task % blocks, row = task / blocks % job->rows, head = task / blocks / job->rows;
+    const int first = block * per_block;
+    const int count = job->tokens - first < per_block ? job->tokens - first : per_block;
+    const int group = job->group, dim = job->dim, columns = job->columns, stride = padded(columns);
+    const int queries = group * count;
+    /* Query i is head g = i / count's, token first + i % count. */
+    const float *query[MAX_QUERIES], *mask[MAX_QUERIES];
+    float *out[MAX_QUERIES];
+    for (int i = 0; i < queries; i++) {
+        const int g = i / count, token = first + i % count;
+        const int64_t at = ((((int64_t)row * job->kv_heads + head) * group + g) * job->tokens + token) * dim;
+        query[i] = job->query + at;
+        out[i] = job->out + at;
+        mask[i] = job->mask + row * job->mask_row + token * job->mask_token;
+    }
+    float top[MAX_QUERIES], inverse[MAX_QUERIES];
+#ifdef SPA_BF16_DOTS
+    if (dots)
+        scores_by_bf16_dots(job, row, head, query, mask, queries, scores, top);
+    else
+#endif
+        widened_scores(job, row, head, query, mask, queries, scores, top, bf16);
+    for (int i = 0; i < queries; i++) {
+        float *s = scores + i * stride;
+        for (int c = columns; c < stride; c++) s[c] = -INFINITY;  /* the row's padding to whole vectors: weight 0 */
         /* exp(score - top), and their sum */
-        const __m256 shift = _mm256_set1_ps(top == -INFINITY ? 0.0f : top);
+        const __m256 shift = _mm256_set1_ps(top[i] == -INFINITY ? 0.0f : top[i]);
         __m256 total8 = _mm256_setzero_ps();
-        for (c = 0; c < stride; c += 8) {
+        for (int c = 0; c < stride; c += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), shift));
             _mm256_storeu_ps(s + c, e);
             total8 = _mm256_add_ps(total8, e);
@@ -215,6 +363,12 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
         const float total = sum8(total8);
         inverse[i] = total > 0.0f ? 1.0f / total : 0.0f;
     }
+#ifdef SPA_BF16_DOTS
+    if (dots) {
+        values_by_16(job, row, head, scores, inverse, out, queries);
+        return;
+    }
+#endif
     for (int i = 0; i < queries; i += 3) {
         const float *w = scores + i * stride;
         for (int d0 = 0; d0 < dim; d0 += 64) {
@@ -231,6 +385,16 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
     }
 }
 
+/* Whether this CPU computes bfloat16 dot products (AVX512-BF16) and this compiler emits them. */
+int spa_bf16_dots(void) {
+#ifdef SPA_BF16_DOTS
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512dq");
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 for shapes it does not take (the caller keeps its other path), or -2 when it
  * could not allocate. The (row, head, block of tokens) tasks are ordered head-major and split in
  * contiguous blocks over `threads` threads of OpenMP: the same runtime as PyTorch's (the library
@@ -239,7 +403,7 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
 int spa_attention(const float *query, const void *keys, const void *values, const float *mask, float *out,
                   int64_t k_row, int64_t k_head, int64_t k_col, int64_t v_row, int64_t v_head, int64_t v_col,
                   int64_t mask_row, int64_t mask_token, int rows, int kv_heads, int group, int tokens, int dim,
-                  int columns, int shared, int bf16, float scale, int threads) {
+                  int columns, int shared, int bf16, int bf16_queries, float scale, int threads) {
     if (dim % 64 || dim > 128 || group < 1 || group > MAX_GROUP || rows < 1 || tokens < 1 || columns < 1
             || (bf16 & ~1))
         return -1;
@@ -247,6 +411,7 @@ int spa_attention(const float *query, const void *keys, const void *values, cons
                      rows, kv_heads, group, tokens, dim, columns, shared, scale};
     const int per_block = block_tokens(group, tokens);
     const int tasks = rows * kv_heads * ((tokens + per_block - 1) / per_block);
+    const int dots = bf16 && bf16_queries && spa_bf16_dots();
     int failed = 0;
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
     {
@@ -254,8 +419,9 @@ int spa_attention(const float *query, const void *keys, const void *values, cons
         failed = scores == NULL;
 #pragma omp for schedule(static)
         for (int task = 0; task < tasks; task++)
-            if (scores && bf16) run_task(&job, task, scores, 1);
-            else if (scores) run_task(&job, task, scores, 0);
+            if (scores && dots) run_task(&job, task, scores, 1, 1);
+            else if (scores && bf16) run_task(&job, task, scores, 1, 0);
+            else if (scores) run_task(&job, task, scores, 0, 0);
         free(scores);
     }
     return failed ? -2 : 0;

@@ -17,7 +17,12 @@ own mask row: a task then takes a block of tokens, up to 48 queries, whose score
 the values pass reads them. AVX2 and FMA. A float32 cache is read as it is; a bfloat16 cache is
 widened to float32 as it is loaded (a bfloat16 is a float32's upper half), so scores, softmax and
 the weighted sum are float32 arithmetic in both dtypes, rounded to bfloat16 only at the output,
-where SDPA's bfloat16 kernel rounds too.
+where SDPA's bfloat16 kernel rounds too. On a CPU with AVX512-BF16 (`bf16_dots`), a bfloat16
+model's scores are AVX512-BF16's dot products of its bfloat16 queries and keys, 16 columns at a
+time: the products of two bfloat16 are exact in float32 and are summed in float32, so the scores
+are the same float32 sums in another order, without widening a key; its weighted sums then run in
+AVX512 registers, six queries a value load. The instructions are compiled into the same library
+for those functions alone and taken where the CPU reports them.
 
 The library is compiled once per machine into ``$SPA_CACHE/kernels`` (``cc -O3 -mavx2 -mfma
 -fopenmp``, about a second; ``$CC`` names another compiler) and loaded with ctypes: no PyTorch
@@ -50,12 +55,21 @@ HEAD_DIMS, MAX_GROUP = (64, 128), 16
 #: The dtypes of a KV cache the kernel reads (its arithmetic is float32 in both).
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 enabled = True  #: false keeps PyTorch's operators: benchmarks time them beside the kernel
+#: false keeps a bfloat16 cache's scores on the widening path where the CPU has AVX512-BF16
+#: (benchmarks and tests compare the two)
+bf16_dots_enabled = True
 
 
 def available() -> bool:
     """Whether the kernel runs here: this platform and CPU take it and its library is built (building
     it now if needed)."""
     return enabled and _library() is not None
+
+
+def bf16_dots() -> bool:
+    """Whether a bfloat16 model's scores are computed by AVX512-BF16 dot products here: the kernel
+    runs, this CPU has the instructions, the compiler emitted them and `bf16_dots_enabled`."""
+    return available() and bf16_dots_enabled and bool(_library().spa_bf16_dots())
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -103,7 +117,8 @@ def _attention(query, key, value, mask, shared: int, scale: float, label: str) -
             grouped.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), out.data_ptr(),
             *key.stride()[:3], *value.stride()[:3], mask.stride(0) if mask.shape[0] > 1 else 0,
             mask.stride(1) if mask.shape[1] > 1 else 0, rows, kv_heads, group, tokens, dim, columns, shared,
-            int(key.dtype == torch.bfloat16), scale, torch.get_num_threads())
+            int(key.dtype == torch.bfloat16), int(query.dtype == torch.bfloat16 and bf16_dots_enabled), scale,
+            torch.get_num_threads())
     if status != 0:
         return None
     return out.transpose(1, 2).to(query.dtype).contiguous()
@@ -119,8 +134,9 @@ def _library() -> ctypes.CDLL | None:
     library = ctypes.CDLL(str(path))
     function = library.spa_attention
     function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_int] * 8
+    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_int] * 9
                          + [ctypes.c_float, ctypes.c_int])
+    library.spa_bf16_dots.restype = ctypes.c_int
     return library
 
 
