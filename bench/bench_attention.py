@@ -11,7 +11,9 @@ as a forward reads them), as a decode step or a prefill forward makes them:
   `stages.common.kernels.attention.shared_prefix_attention` in PyTorch's operators, which reads them
   once for all rows and each row's own columns with `own_columns_attention`; ``native`` is the one
   C kernel the engine runs instead where it can (`stages.common.kernels.native.decode_attention`),
-  given the additive mask `DecodeStep` makes once a step.
+  given the additive mask `DecodeStep` makes once a step. In bfloat16 on a CPU with AVX512-BF16,
+  ``native_widened`` is that kernel with its scores computed by widening each key to float32 instead
+  of by the dot products it uses there (`stages.common.kernels.native.bf16_dots`), in both calls.
 * ``prefill``: ``--new`` new tokens a row, causal among themselves, over ``--cached`` columns, a
   padded row mask (the second turn's prefill of a 16-episode run). ``sdpa`` is SDPA's CPU kernel
   with grouped heads (`grouped_query_sdpa`'s masked path); ``onednn`` is
@@ -49,6 +51,23 @@ def timed(function, reps: int) -> float:
             function(layer)
         times.append((time.perf_counter() - start) * 1000)
     return round(statistics.median(times), 2)
+
+
+def widened(native_kernel, sdpa, reps: int) -> dict:
+    """Where the native kernel computes a bfloat16 model's scores by AVX512-BF16's dot products, the
+    same kernel with them widening each key to float32 instead (``native_widened_ms``)."""
+    import torch
+
+    from stages.common.kernels import native
+
+    if not native.bf16_dots() or sdpa(0).dtype != torch.bfloat16:
+        return {}
+    native.bf16_dots_enabled = False
+    try:
+        return {"native_widened_ms": timed(native_kernel, reps),
+                "native_widened_max_abs_diff": (native_kernel(0) - sdpa(0)).abs().max().item()}
+    finally:
+        native.bf16_dots_enabled = True
 
 
 def decode(rows: int, shared: int, own: int, reps: int, dtype) -> dict:
@@ -89,7 +108,8 @@ def decode(rows: int, shared: int, own: int, reps: int, dtype) -> dict:
               "max_abs_diff": (shared_prefix(0) - sdpa(0)).abs().max().item()}
     if native.available():
         result.update(native_ms=timed(native_kernel, reps),
-                      native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item())
+                      native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item(),
+                      **widened(native_kernel, sdpa, reps))
     return result
 
 
@@ -125,7 +145,8 @@ def prefill(rows: int, new: int, cached: int, reps: int, dtype) -> dict:
         result.update(onednn_ms=timed(onednn, reps), max_abs_diff=(onednn(0) - sdpa(0)).abs().max().item())
     if native.available():
         result.update(native_ms=timed(native_kernel, reps),
-                      native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item())
+                      native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item(),
+                      **widened(native_kernel, sdpa, reps))
     return result
 
 

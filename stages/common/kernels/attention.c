@@ -5,16 +5,17 @@
  * C with AVX2 and FMA intrinsics, no PyTorch headers; over a bfloat16 cache with bfloat16 queries,
  * AVX512-BF16's dot products and AVX512's registers where the CPU has them (spa_bf16_dots).
  *
- * query  [rows, kv_heads, group, tokens, dim] float32, contiguous (a [rows, heads, tokens, dim]
- *   tensor whose head h is key/value head h / group's)
- *   (bf16_queries = 1: its numbers are bfloat16's, so the dot products may take them as bfloat16)
+ * query  [rows, heads, tokens, dim], float32 or (bf16_io = 1) bfloat16, with element strides (row,
+ *   head, token), each query's `dim` elements contiguous; head h is key/value head h / group's
  * keys, values: float32 (bf16 = 0) or bfloat16 (bf16 = 1), with element strides (row, head,
  *   column); the column's `dim` elements are contiguous.
  *   Columns [0, shared) are the same in every row and are read from row 0 (so a thread working
  *   through one head's rows finds them in its cache); columns [shared, columns) are each row's.
- * mask   additive, token t of row r at mask + r * mask_row + t * mask_token, its columns contiguous
- *   (a stride of 0: one row, or one token's row, for all)
- * out    like query: softmax(q.k * scale + mask) . v
+ * mask   token t of row r's at mask + r * mask_row + t * mask_token (element strides; 0: one row, or one
+ *   token's row, for all), its columns contiguous: additive float32 (mask_dtype 0) or bfloat16 (1),
+ *   or bool (2: 1 where the query attends), each task's rows made additive float32 as it starts
+ * out    [rows, tokens, heads, dim] contiguous, in the query's dtype: softmax(q.k * scale + mask) . v,
+ *   rounded to bfloat16 (to nearest, ties to even) only here
  * A query that may see no column (every score -inf) gets zeros.
  */
 #include <immintrin.h>
@@ -35,12 +36,10 @@
 #define MAX_QUERIES 48
 
 typedef struct {
-    const float *query;
-    const char *keys, *values;
-    const float *mask;
-    float *out;
-    int64_t k_row, k_head, k_col, v_row, v_head, v_col, mask_row, mask_token;
-    int rows, kv_heads, group, tokens, dim, columns, shared;
+    const char *query, *keys, *values, *mask;
+    char *out;
+    int64_t q_row, q_head, q_token, k_row, k_head, k_col, v_row, v_head, v_col, mask_row, mask_token;
+    int rows, kv_heads, group, tokens, dim, columns, shared, mask_dtype, bf16_io;
     float scale;
 } Job;
 
@@ -108,7 +107,7 @@ static inline float kv_at(const char *p, int d, int bf16) {
 
 /* Column c's values for a head, fetched into L2 while the keys' arithmetic runs, for the values
  * pass that follows. */
-static inline void prefetch_values(const Job *job, int row, int head, int c, int bf16) {
+static inline __attribute__((always_inline)) void prefetch_values(const Job *job, int row, int head, int c, int bf16) {
     const char *v = column(job->values, job->v_row, job->v_head, job->v_col, row, head, c, job->shared, bf16);
     for (int line = 0; line < job->dim << (bf16 ? 1 : 2); line += 64) _mm_prefetch(v + line, _MM_HINT_T1);
 }
@@ -319,11 +318,48 @@ static BF16_DOTS_TARGET void scores_by_bf16_dots(const Job *job, int row, int he
 }
 #endif
 
+/* Eight float32 rounded to bfloat16, to nearest with ties to even (as PyTorch rounds; no NaN
+ * reaches here). */
+static inline __m128i rounded_to_bf16(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    /* 32 -> 16 bits within each 128-bit lane (exact: each is below 2^16), then the lanes' halves joined */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(upper, upper), 0x08));
+}
+
+/* A task's outputs, query i's float32 sums in sums[i], stored at [row, token, head, :] in the
+ * query's dtype. */
+static inline void store_outputs(const Job *job, int row, int head, int first, int count, float sums[][128]) {
+    const int heads = job->kv_heads * job->group, dim = job->dim;
+    for (int i = 0; i < job->group * count; i++) {
+        const int h = head * job->group + i / count, token = first + i % count;
+        const int64_t at = (((int64_t)row * job->tokens + token) * heads + h) * dim;
+        if (job->bf16_io) {
+            for (int d = 0; d < dim; d += 8)
+                _mm_storeu_si128((__m128i *)((uint16_t *)job->out + at + d), rounded_to_bf16(_mm256_loadu_ps(sums[i] + d)));
+        } else {
+            memcpy((float *)job->out + at, sums[i], sizeof(float) * dim);
+        }
+    }
+}
+
+/* Token `token` of row `row`'s mask row as additive float32: the caller's, or (a bfloat16 or bool
+ * mask) its conversion into `to`. */
+static inline const float *additive_mask(const Job *job, int row, int token, float *to) {
+    const int64_t at = row * job->mask_row + token * job->mask_token;
+    if (job->mask_dtype == 0) return (const float *)job->mask + at;
+    for (int c = 0; c < job->columns; c++)
+        to[c] = job->mask_dtype == 2 ? (((const uint8_t *)job->mask)[at + c] ? 0.0f : -INFINITY)
+                                     : kv_at(job->mask + (at << 1), c, 1);
+    return to;
+}
+
 /* One (row, head, block of tokens): its queries' scores into `scores` [queries, columns],
  * exponentiated in place, then the values' weighted sums, up to three queries at a time. Inlined
  * into each call with a constant `bf16`, so each element type gets its own loops; `dots` (with
  * bf16) takes the scores by bfloat16 dot products. */
-static inline __attribute__((always_inline)) void run_task(const Job *job, int task, float *scores,
+static inline __attribute__((always_inline)) void run_task(const Job *job, int task, float *scores, float *masks,
                                                            const int bf16, const int dots) {
     const int per_block = block_tokens(job->group, job->tokens);
     const int blocks = (job->tokens + per_block - 1) / per_block;
@@ -332,15 +368,24 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
     const int count = job->tokens - first < per_block ? job->tokens - first : per_block;
     const int group = job->group, dim = job->dim, columns = job->columns, stride = padded(columns);
     const int queries = group * count;
-    /* Query i is head g = i / count's, token first + i % count. */
+    /* Query i is head g = i / count's, token first + i % count; in float32 (bfloat16 ones widened
+     * into `wide_query`), its weighted sums into `sums` before they are stored in the query's dtype. */
     const float *query[MAX_QUERIES], *mask[MAX_QUERIES];
     float *out[MAX_QUERIES];
+    float wide_query[MAX_QUERIES][128], sums[MAX_QUERIES][128];
     for (int i = 0; i < queries; i++) {
-        const int g = i / count, token = first + i % count;
-        const int64_t at = ((((int64_t)row * job->kv_heads + head) * group + g) * job->tokens + token) * dim;
-        query[i] = job->query + at;
-        out[i] = job->out + at;
-        mask[i] = job->mask + row * job->mask_row + token * job->mask_token;
+        const int g = i / count, token = first + i % count, h = head * group + g;
+        const char *q = job->query + ((row * job->q_row + h * job->q_head + token * job->q_token) << (job->bf16_io ? 1 : 2));
+        if (job->bf16_io) {
+            for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide_query[i] + d, load8_kv(q + (d << 1), 1));
+            query[i] = wide_query[i];
+        } else {
+            query[i] = (const float *)q;
+        }
+        out[i] = sums[i];
+        /* each token's mask row once for the group's heads (and once for all tokens if they share it) */
+        mask[i] = i >= count ? mask[i % count]
+                  : i > 0 && job->mask_token == 0 ? mask[0] : additive_mask(job, row, token, masks + i * columns);
     }
     float top[MAX_QUERIES], inverse[MAX_QUERIES];
 #ifdef SPA_BF16_DOTS
@@ -366,6 +411,7 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
 #ifdef SPA_BF16_DOTS
     if (dots) {
         values_by_16(job, row, head, scores, inverse, out, queries);
+        store_outputs(job, row, head, first, count, sums);
         return;
     }
 #endif
@@ -383,6 +429,7 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
             }
         }
     }
+    store_outputs(job, row, head, first, count, sums);
 }
 
 /* Whether this CPU computes bfloat16 dot products (AVX512-BF16) and this compiler emits them. */
@@ -400,29 +447,34 @@ int spa_bf16_dots(void) {
  * contiguous blocks over `threads` threads of OpenMP: the same runtime as PyTorch's (the library
  * links libgomp.so.1, which PyTorch has loaded already), so its threads are the ones PyTorch's
  * operators just ran on, not a second pool competing with them for the cores. */
-int spa_attention(const float *query, const void *keys, const void *values, const float *mask, float *out,
-                  int64_t k_row, int64_t k_head, int64_t k_col, int64_t v_row, int64_t v_head, int64_t v_col,
-                  int64_t mask_row, int64_t mask_token, int rows, int kv_heads, int group, int tokens, int dim,
-                  int columns, int shared, int bf16, int bf16_queries, float scale, int threads) {
+int spa_attention(const void *query, const void *keys, const void *values, const void *mask, void *out,
+                  int64_t q_row, int64_t q_head, int64_t q_token, int64_t k_row, int64_t k_head, int64_t k_col,
+                  int64_t v_row, int64_t v_head, int64_t v_col, int64_t mask_row, int64_t mask_token, int rows,
+                  int kv_heads, int group, int tokens, int dim, int columns, int shared, int mask_dtype, int bf16, int bf16_io,
+                  int bf16_dots, float scale, int threads) {
     if (dim % 64 || dim > 128 || group < 1 || group > MAX_GROUP || rows < 1 || tokens < 1 || columns < 1
-            || (bf16 & ~1))
+            || (bf16 & ~1) || (bf16_io & ~1) || mask_dtype < 0 || mask_dtype > 2)
         return -1;
-    const Job job = {query, keys, values, mask, out, k_row, k_head, k_col, v_row, v_head, v_col, mask_row, mask_token,
-                     rows, kv_heads, group, tokens, dim, columns, shared, scale};
+    const Job job = {query, keys, values, mask, out, q_row, q_head, q_token, k_row, k_head, k_col, v_row, v_head,
+                     v_col, mask_row, mask_token, rows, kv_heads, group, tokens, dim, columns, shared, mask_dtype, bf16_io,
+                     scale};
     const int per_block = block_tokens(group, tokens);
     const int tasks = rows * kv_heads * ((tokens + per_block - 1) / per_block);
-    const int dots = bf16 && bf16_queries && spa_bf16_dots();
+    const int dots = bf16 && bf16_io && bf16_dots && spa_bf16_dots();
     int failed = 0;
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * group * per_block * padded(columns));
-        failed = scores == NULL;
+        float *masks = malloc(sizeof(float) * per_block * columns);  /* a task's mask rows, converted */
+        failed = scores == NULL || masks == NULL;
 #pragma omp for schedule(static)
         for (int task = 0; task < tasks; task++)
-            if (scores && dots) run_task(&job, task, scores, 1, 1);
-            else if (scores && bf16) run_task(&job, task, scores, 1, 0);
-            else if (scores) run_task(&job, task, scores, 0, 0);
+            if (failed) continue;
+            else if (dots) run_task(&job, task, scores, masks, 1, 1);
+            else if (bf16) run_task(&job, task, scores, masks, 1, 0);
+            else run_task(&job, task, scores, masks, 0, 0);
         free(scores);
+        free(masks);
     }
     return failed ? -2 : 0;
 }

@@ -54,6 +54,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 HEAD_DIMS, MAX_GROUP = (64, 128), 16
 #: The dtypes of a KV cache the kernel reads (its arithmetic is float32 in both).
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
+#: The masks it reads as they are (additive, or True where a query attends), in its argument's order.
+MASK_DTYPES = (torch.float32, torch.bfloat16, torch.bool)
 enabled = True  #: false keeps PyTorch's operators: benchmarks time them beside the kernel
 #: false keeps a bfloat16 cache's scores on the widening path where the CPU has AVX512-BF16
 #: (benchmarks and tests compare the two)
@@ -103,25 +105,25 @@ def _attention(query, key, value, mask, shared: int, scale: float, label: str) -
             or any(t.device.type != "cpu" for t in (query, key, value, mask))
             or key.stride(-1) != 1 or value.stride(-1) != 1):
         return None
-    # The queries and mask are a few numbers a row or small beside the cache: widened here; the
-    # cache, the large operand, in C.
-    grouped = query.to(torch.float32).contiguous()  # [rows, heads, tokens, dim] = [rows, kv_heads, group, ...]
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    mask = mask.to(torch.float32).reshape(mask.shape[0], mask.shape[-2], columns)
+    if mask.dtype not in MASK_DTYPES:
+        mask = mask.to(torch.float32)
+    mask = mask.reshape(mask.shape[0], mask.shape[-2], columns)
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    out = torch.empty_like(grouped)
+    dtype = query.dtype
+    if dtype not in CACHE_DTYPES:
+        query = query.to(torch.float32)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(rows, tokens, heads, dim, dtype=query.dtype)  # the kernel reads and writes this dtype
     with torch.profiler.record_function(label):
         status = library.spa_attention(
-            grouped.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), out.data_ptr(),
+            query.data_ptr(), key.data_ptr(), value.data_ptr(), mask.data_ptr(), out.data_ptr(), *query.stride()[:3],
             *key.stride()[:3], *value.stride()[:3], mask.stride(0) if mask.shape[0] > 1 else 0,
             mask.stride(1) if mask.shape[1] > 1 else 0, rows, kv_heads, group, tokens, dim, columns, shared,
-            int(key.dtype == torch.bfloat16), int(query.dtype == torch.bfloat16 and bf16_dots_enabled), scale,
-            torch.get_num_threads())
-    if status != 0:
-        return None
-    return out.transpose(1, 2).to(query.dtype).contiguous()
+            MASK_DTYPES.index(mask.dtype), int(key.dtype == torch.bfloat16), int(query.dtype == torch.bfloat16),
+            int(bf16_dots_enabled), scale, torch.get_num_threads())
+    return out.to(dtype) if status == 0 else None
 
 
 @functools.cache
@@ -134,7 +136,7 @@ def _library() -> ctypes.CDLL | None:
     library = ctypes.CDLL(str(path))
     function = library.spa_attention
     function.restype = ctypes.c_int
-    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_int] * 9
+    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_int] * 11
                          + [ctypes.c_float, ctypes.c_int])
     library.spa_bf16_dots.restype = ctypes.c_int
     return library
