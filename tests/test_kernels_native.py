@@ -271,3 +271,22 @@ def test_without_a_compiler_or_avx2_the_operators_compute_it(monkeypatch, rebuil
     reference = float64_attention(query, key, value, mask, 0.125)
     assert (ours.double() - reference).abs().max().item() <= 2 * float32_bound(query, key, value, 0.125)
     assert not list(_kernels_dir().glob("*"))  # nothing half-built left behind
+
+
+@needs_kernel
+def test_a_bfloat16_output_is_the_float32_sums_rounded_once_as_pytorch_rounds(monkeypatch):
+    """With bfloat16 queries the kernel writes bfloat16: the same float32 arithmetic as for float32
+    queries holding the same numbers, rounded to nearest (ties to even) as ``Tensor.to`` rounds, bit
+    for bit; and a query given as a strided view (a prefill's, transposed from the projections'
+    layout) reads the same numbers as a contiguous one."""
+    query, key, value, keep = prefill_case(3, 2, 3, 20, cached=29, dtype=torch.bfloat16)
+    monkeypatch.setattr(native, "bf16_dots_enabled", False)  # the widening path: float32's scores
+    ours = native.prefill_attention(query, key, value, keep, 0.125)
+    wide = native.prefill_attention(query.float(), key, value, keep, 0.125)
+    assert ours.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    assert torch.equal(ours, wide.to(torch.bfloat16))
+    strided = query.transpose(1, 2).contiguous().transpose(1, 2)  # [rows, heads, tokens, dim], tokens outermost
+    assert not strided.is_contiguous()
+    monkeypatch.setattr(native, "bf16_dots_enabled", True)
+    assert torch.equal(native.prefill_attention(strided, key, value, keep, 0.125),
+                       native.prefill_attention(query, key, value, keep, 0.125))
