@@ -24,6 +24,9 @@ generation backend differs:
   operators (the decode steps': `stages.common.kernels.attention.shared_prefix_attention`'s products
   and softmax; the prefills': SDPA's kernel, or oneDNN's products where they run them) instead of
   the native kernel (`stages.common.kernels.native`);
+* ``engine_separate_projections``: the engine with each linear layer its own product, instead of
+  one product for the projections a layer applies to the same input (q, k and v; gate and up:
+  `stages.common.kernels.linear.INPUT_GROUPS`);
 * ``engine_widened_bf16``: the engine on the bf16 copy with the native kernel's scores computed by
   widening each bf16 key to float32, not by AVX512-BF16's dot products where the CPU has them
   (`stages.common.kernels.native.bf16_dots`; on a CPU without them the two variants are the same);
@@ -115,6 +118,8 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     linear.enabled = switches != "engine_stock"
     native.enabled = switches != "engine_attention_operators"
     native.bf16_dots_enabled = switches != "engine_widened"
+    if switches == "engine_separate_projections":
+        linear.INPUT_GROUPS = {}
     if switches == "engine_transformers_forward":
         decode.DecodeStep.applies = staticmethod(lambda model: False)
     if switches == "engine_onednn_prefill_attention":
@@ -214,7 +219,8 @@ def main() -> None:
         result[f"batch_{batch}"] = runs
         for suffix in ("", "_bf16"):  # each engine against the other variants in its dtype
             for other in ("vllm", "engine_stock", "engine_transformers_forward", "engine_onednn_prefill_attention",
-                          "engine_attention_operators", "engine_widened", "engine_copied_prefix"):
+                          "engine_attention_operators", "engine_widened", "engine_separate_projections",
+                          "engine_copied_prefix"):
                 if f"engine{suffix}" in runs and other + suffix in runs:
                     rate = runs[f"engine{suffix}"]["tokens_per_s"] / runs[other + suffix]["tokens_per_s"]
                     runs[f"engine_vs_{other.removeprefix('engine_')}{suffix}_tokens_per_s"] = round(rate, 2)

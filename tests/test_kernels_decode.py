@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from stages.agent.backends import GenerationRequest, SamplingParams
 from stages.agent.backends.hf import HFBackend
 from stages.common.kernels import attention as attention_kernels
-from stages.common.kernels import decode, native
+from stages.common.kernels import decode, linear, native
 from stages.common.kernels.linear import PackedLinears
 from stages.common.models import load_tokenizer
 from stages.training.trainable import enable_checkpointing
@@ -126,6 +126,29 @@ def test_a_decode_step_on_packed_weights_gives_the_forwards_logits(tokenizer):
     with PackedLinears(model).active():
         reference, ours = one_step_both_ways(model, 6)
     assert_close_in_float32(reference, ours, 2)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_packed_weights_multiply_a_layers_projections_of_one_input_once(tokenizer, monkeypatch, architecture):
+    """Inside `PackedLinears.active` an attention's q, k and v (Qwen2's with their biases) and an
+    MLP's gate and up are one oneDNN product each: four products a layer and the LM head's, where
+    there were seven a layer; the forward's logits are the stock forward's up to float32 rounding."""
+    if not PackedLinears.supported(lively_model(tokenizer)):
+        pytest.skip("PyTorch without oneDNN")
+    model = lively_model(tokenizer, heads=4, kv_heads=2) if architecture == "llama" else qwen2_model(vocab=1000)
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41, 8]])
+    products = []
+    real = linear.mm_t
+    monkeypatch.setattr(linear, "mm_t", lambda *args: products.append(1) or real(*args))
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits
+        with PackedLinears(model).active():
+            ours = model(input_ids=ids).logits
+    layers = model.config.num_hidden_layers
+    assert len(products) == 4 * layers + 1
+    assert_close_in_float32(reference, ours, layers)
+    assert torch.equal(reference.argmax(-1), ours.argmax(-1))
 
 
 def test_the_rotation_is_transformers_bit_for_bit():

@@ -8,9 +8,14 @@ in:
 
 * `PackedLinears` (generation): a copy of every linear weight reordered once into oneDNN's blocked
   layout, which is what makes the few-row products of decoding fast; inside ``with
-  packed.active():`` each layer's forward uses it. The copy is the weights as they were when
-  packed: its owner calls `drop()` when they change (the hf backend does so whenever it drops its
-  KV caches). It costs as much memory as the linear weights while it is held.
+  packed.active():`` each layer's forward uses it. The layers a Llama, Mistral or Qwen2 layer
+  applies to the same input one after another (its attention's q, k and v projections, its MLP's
+  gate and up projections) are packed as one weight, their rows stacked: the first of them computes
+  the one product for all and each takes its columns of it, two products a layer where there were
+  five (on a CPU each product has a fixed cost beside its arithmetic, a large share of a decode
+  step's few-row products: docs/results.md). The copy is the weights as they were when packed: its
+  owner calls `drop()` when they change (the hf backend does so whenever it drops its KV caches).
+  It costs as much memory as the linear weights while it is held.
 * `onednn_training(model)` (training): inside the with-block each layer's forward and, through
   autograd, its backward (the input's and the weight's gradients) run as oneDNN products on the
   weights as they are: the rows of a training micro-batch are many, so no reordered copy is kept.
@@ -39,7 +44,7 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._packed: dict[nn.Linear, torch.Tensor] = {}
+        self._packed: dict[tuple[nn.Linear, ...], torch.Tensor] = {}  # a group's layers: their stacked weight
 
     @staticmethod
     def supported(model: nn.Module) -> bool:
@@ -59,9 +64,13 @@ class PackedLinears:
             return
         if not self._packed:
             with torch.no_grad():
-                self._packed = {module: torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), _ROWS_HINT)
-                                for module in _plain_linears(self.model)}
-        with _routed({module: _packed_forward(weight, module.bias) for module, weight in self._packed.items()}):
+                self._packed = {group: torch.ops.mkldnn._reorder_linear_weight(
+                    torch.cat([m.weight.detach() for m in group]) if len(group) > 1 else group[0].weight.detach(),
+                    _ROWS_HINT) for group in _input_groups(self.model)}
+        forwards = {}
+        for group, weight in self._packed.items():
+            forwards.update(_packed_forwards(group, weight))
+        with _routed(forwards):
             yield
 
 
@@ -120,11 +129,49 @@ def _trainable_forward(module: nn.Linear):
     return forward
 
 
-def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return mm_t(x, weight, bias)
+#: The modules whose forward applies their listed linear layers to one input, one after another
+#: (transformers' Llama, Mistral and Qwen2 attention and MLP), which `PackedLinears` packs as one.
+INPUT_GROUPS = {("LlamaAttention", "MistralAttention", "Qwen2Attention"): ("q_proj", "k_proj", "v_proj"),
+                ("LlamaMLP", "MistralMLP", "Qwen2MLP"): ("gate_proj", "up_proj")}
 
-    return forward
+
+def _input_groups(model: nn.Module) -> list[tuple[nn.Linear, ...]]:
+    """The model's plain linear layers, each alone or with those its module applies to the same input
+    (`INPUT_GROUPS`) where they can be one product (same input size, dtype, and all or none with a
+    bias)."""
+    plain = _plain_linears(model)
+    grouped: list[tuple[nn.Linear, ...]] = []
+    for module in model.modules():
+        for classes, names in INPUT_GROUPS.items():
+            layers = tuple(getattr(module, name, None) for name in names)
+            if (type(module).__name__ in classes and all(layer in plain for layer in layers)
+                    and len({(layer.in_features, layer.weight.dtype, layer.bias is None) for layer in layers}) == 1):
+                grouped.append(layers)
+    alone = set(plain).difference(*grouped)
+    return grouped + [(layer,) for layer in plain if layer in alone]
+
+
+def _packed_forwards(group: tuple[nn.Linear, ...], weight: torch.Tensor) -> dict:
+    """Forwards of a group's layers on their stacked reordered `weight`: the product of an input is
+    computed once, by the first layer called on it, and each layer returns its columns of it."""
+    if len(group) == 1:
+        return {group[0]: lambda x: mm_t(x, weight, group[0].bias)}
+    bias = torch.cat([m.bias for m in group]) if group[0].bias is not None else None
+    sizes = [m.out_features for m in group]
+    held: list = [None, None]  # the input last multiplied (the same object, not an equal one) and its product's parts
+
+    def forward_of(index: int):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if held[0] is not x:
+                held[:] = [x, mm_t(x, weight, bias).split(sizes, dim=-1)]
+            part = held[1][index]
+            if index == len(group) - 1:  # the group's last layer: nothing more to take from it
+                held[:] = [None, None]
+            return part
+
+        return forward
+
+    return {layer: forward_of(index) for index, layer in enumerate(group)}
 
 
 @contextlib.contextmanager
