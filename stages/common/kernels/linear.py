@@ -11,11 +11,10 @@ in:
   packed.active():`` each layer's forward uses it. The layers a Llama, Mistral or Qwen2 layer
   applies to the same input one after another (its attention's q, k and v projections, its MLP's
   gate and up projections) are packed as one weight, their rows stacked: the first of them computes
-  the one product for all and each takes its columns of it, two products a layer where there were
-  five (on a CPU each product has a fixed cost beside its arithmetic, a large share of a decode
-  step's few-row products: docs/results.md). The copy is the weights as they were when packed: its
-  owner calls `drop()` when they change (the hf backend does so whenever it drops its KV caches).
-  It costs as much memory as the linear weights while it is held.
+  the one product for all and each takes its columns of it: two products a layer where there were
+  five, each with a fixed cost beside its arithmetic. The copy is the weights as they were when
+  packed: its owner calls `drop()` when they change (the hf backend does so whenever it drops its
+  KV caches). It costs as much memory as the linear weights while it is held.
 * `onednn_training(model)` (training): inside the with-block each layer's forward and, through
   autograd, its backward (the input's and the weight's gradients) run as oneDNN products on the
   weights as they are: the rows of a training micro-batch are many, so no reordered copy is kept.
