@@ -280,19 +280,19 @@ static BF16_DOTS_TARGET void values_by_16(const Job *job, int row, int head, con
     }
 }
 
-/* widened_scores over a bfloat16 cache with bfloat16 queries, by AVX512-BF16's dot products: each
- * instruction multiplies 32 pairs of bfloat16 exactly and adds them into 16 float32 sums, so a key
- * is neither widened nor stored, and the sums are float32 as widened_scores' are (up to the order
- * of additions; denormal inputs count as 0). Sixteen columns at a time. */
-static BF16_DOTS_TARGET void scores_by_bf16_dots(const Job *job, int row, int head, const float *const *query,
+/* widened_scores over a bfloat16 cache with bfloat16 queries (read as they are), by AVX512-BF16's
+ * dot products: each instruction multiplies 32 pairs of bfloat16 exactly and adds them into 16
+ * float32 sums, so a key is neither widened nor stored, and the sums are float32 as
+ * widened_scores' are (up to the order of additions; denormal inputs count as 0). Sixteen columns
+ * at a time. */
+static BF16_DOTS_TARGET void scores_by_bf16_dots(const Job *job, int row, int head, const char *const *query,
                                                  const float *const *mask, int queries, float *scores,
                                                  float *top) {
-    const int dim = job->dim, columns = job->columns, stride = padded(columns), pairs = dim / 32;
+    const int columns = job->columns, stride = padded(columns), pairs = job->dim / 32;
     __m512bh q[MAX_QUERIES][4];
     __m512 top16[MAX_QUERIES];
     for (int i = 0; i < queries; i++) {
-        for (int p = 0; p < pairs; p++)  /* exact: the queries are bfloat16 numbers */
-            q[i][p] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(query[i] + 32 * p + 16), _mm512_loadu_ps(query[i] + 32 * p));
+        for (int p = 0; p < pairs; p++) q[i][p] = (__m512bh)_mm512_loadu_si512(query[i] + 64 * p);
         top16[i] = _mm512_set1_ps(-INFINITY);
     }
     const __m512 scale = _mm512_set1_ps(job->scale), minus_infinity = _mm512_set1_ps(-INFINITY);
@@ -323,7 +323,8 @@ static BF16_DOTS_TARGET void scores_by_bf16_dots(const Job *job, int row, int he
 static inline __m128i rounded_to_bf16(__m256 x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i rounding = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
+    const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, rounding), 16);
     /* 32 -> 16 bits within each 128-bit lane (exact: each is below 2^16), then the lanes' halves joined */
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(upper, upper), 0x08));
 }
@@ -337,7 +338,8 @@ static inline void store_outputs(const Job *job, int row, int head, int first, i
         const int64_t at = (((int64_t)row * job->tokens + token) * heads + h) * dim;
         if (job->bf16_io) {
             for (int d = 0; d < dim; d += 8)
-                _mm_storeu_si128((__m128i *)((uint16_t *)job->out + at + d), rounded_to_bf16(_mm256_loadu_ps(sums[i] + d)));
+                _mm_storeu_si128((__m128i *)((uint16_t *)job->out + at + d),
+                                 rounded_to_bf16(_mm256_loadu_ps(sums[i] + d)));
         } else {
             memcpy((float *)job->out + at, sums[i], sizeof(float) * dim);
         }
@@ -368,19 +370,22 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
     const int count = job->tokens - first < per_block ? job->tokens - first : per_block;
     const int group = job->group, dim = job->dim, columns = job->columns, stride = padded(columns);
     const int queries = group * count;
-    /* Query i is head g = i / count's, token first + i % count; in float32 (bfloat16 ones widened
-     * into `wide_query`), its weighted sums into `sums` before they are stored in the query's dtype. */
+    /* Query i is head g = i / count's, token first + i % count, as the caller holds it (`given`)
+     * and in float32 (bfloat16 ones widened into `wide_query`, but for the dot products, which take
+     * them as they are); its weighted sums go into `sums` before they are stored in the query's dtype. */
+    const char *given[MAX_QUERIES];
     const float *query[MAX_QUERIES], *mask[MAX_QUERIES];
     float *out[MAX_QUERIES];
     float wide_query[MAX_QUERIES][128], sums[MAX_QUERIES][128];
     for (int i = 0; i < queries; i++) {
         const int g = i / count, token = first + i % count, h = head * group + g;
-        const char *q = job->query + ((row * job->q_row + h * job->q_head + token * job->q_token) << (job->bf16_io ? 1 : 2));
-        if (job->bf16_io) {
-            for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide_query[i] + d, load8_kv(q + (d << 1), 1));
+        const int64_t at = row * job->q_row + h * job->q_head + token * job->q_token;
+        given[i] = job->query + (at << (job->bf16_io ? 1 : 2));
+        if (job->bf16_io && !dots) {
+            for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide_query[i] + d, load8_kv(given[i] + (d << 1), 1));
             query[i] = wide_query[i];
         } else {
-            query[i] = (const float *)q;
+            query[i] = (const float *)given[i];
         }
         out[i] = sums[i];
         /* each token's mask row once for the group's heads (and once for all tokens if they share it) */
@@ -390,7 +395,7 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
     float top[MAX_QUERIES], inverse[MAX_QUERIES];
 #ifdef SPA_BF16_DOTS
     if (dots)
-        scores_by_bf16_dots(job, row, head, query, mask, queries, scores, top);
+        scores_by_bf16_dots(job, row, head, given, mask, queries, scores, top);
     else
 #endif
         widened_scores(job, row, head, query, mask, queries, scores, top, bf16);
@@ -450,14 +455,14 @@ int spa_bf16_dots(void) {
 int spa_attention(const void *query, const void *keys, const void *values, const void *mask, void *out,
                   int64_t q_row, int64_t q_head, int64_t q_token, int64_t k_row, int64_t k_head, int64_t k_col,
                   int64_t v_row, int64_t v_head, int64_t v_col, int64_t mask_row, int64_t mask_token, int rows,
-                  int kv_heads, int group, int tokens, int dim, int columns, int shared, int mask_dtype, int bf16, int bf16_io,
-                  int bf16_dots, float scale, int threads) {
+                  int kv_heads, int group, int tokens, int dim, int columns, int shared, int mask_dtype, int bf16,
+                  int bf16_io, int bf16_dots, float scale, int threads) {
     if (dim % 64 || dim > 128 || group < 1 || group > MAX_GROUP || rows < 1 || tokens < 1 || columns < 1
             || (bf16 & ~1) || (bf16_io & ~1) || mask_dtype < 0 || mask_dtype > 2)
         return -1;
     const Job job = {query, keys, values, mask, out, q_row, q_head, q_token, k_row, k_head, k_col, v_row, v_head,
-                     v_col, mask_row, mask_token, rows, kv_heads, group, tokens, dim, columns, shared, mask_dtype, bf16_io,
-                     scale};
+                     v_col, mask_row, mask_token, rows, kv_heads, group, tokens, dim, columns, shared, mask_dtype,
+                     bf16_io, scale};
     const int per_block = block_tokens(group, tokens);
     const int tasks = rows * kv_heads * ((tokens + per_block - 1) / per_block);
     const int dots = bf16 && bf16_io && bf16_dots && spa_bf16_dots();
