@@ -1,8 +1,9 @@
 """The hf engine's attention kernels on a CPU against SDPA's, at the shapes of bench_generate's rollouts.
 
 SmolLM2-135M's attention (9 query heads on 3 key/value heads of 64), float32 (or ``--dtype
-bfloat16``), random tensors, 30 calls a measurement, one per layer, each over its layer's own keys and values (read from memory,
-as a forward reads them), as a decode step or a prefill forward makes them:
+bfloat16``), random tensors, 30 calls a measurement, one per layer, each over its layer's own keys
+and values (read from memory, as a forward reads them), as a decode step or a prefill forward makes
+them:
 
 * ``decode``: one new token a row over the KV cache, whose first ``--shared`` columns (the
   instruction) are the same in every row and the next ``--own`` are each row's own. ``sdpa`` is
@@ -53,14 +54,14 @@ def timed(function, reps: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def widened(native_kernel, sdpa, reps: int) -> dict:
+def widened(native_kernel, sdpa, reps: int, dtype) -> dict:
     """Where the native kernel computes a bfloat16 model's scores by AVX512-BF16's dot products, the
     same kernel with them widening each key to float32 instead (``native_widened_ms``)."""
     import torch
 
     from stages.common.kernels import native
 
-    if not native.bf16_dots() or sdpa(0).dtype != torch.bfloat16:
+    if not native.bf16_dots() or dtype != torch.bfloat16:
         return {}
     native.bf16_dots_enabled = False
     try:
@@ -109,7 +110,7 @@ def decode(rows: int, shared: int, own: int, reps: int, dtype) -> dict:
     if native.available():
         result.update(native_ms=timed(native_kernel, reps),
                       native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item(),
-                      **widened(native_kernel, sdpa, reps))
+                      **widened(native_kernel, sdpa, reps, dtype))
     return result
 
 
@@ -146,7 +147,7 @@ def prefill(rows: int, new: int, cached: int, reps: int, dtype) -> dict:
     if native.available():
         result.update(native_ms=timed(native_kernel, reps),
                       native_max_abs_diff=(native_kernel(0) - sdpa(0)).abs().max().item(),
-                      **widened(native_kernel, sdpa, reps))
+                      **widened(native_kernel, sdpa, reps, dtype))
     return result
 
 
@@ -172,9 +173,10 @@ def main() -> None:
         entry["speedup"] = round(entry["sdpa_ms"] / entry["shared_prefix_ms"], 2)
         if "native_ms" in entry:
             entry["native_speedup"] = round(entry["sdpa_ms"] / entry["native_ms"], 2)
+    filled = result["prefill"]
     for name in ("onednn", "native"):
-        if f"{name}_ms" in result["prefill"]:
-            result["prefill"][f"{name}_speedup"] = round(result["prefill"]["sdpa_ms"] / result["prefill"][f"{name}_ms"], 2)
+        if f"{name}_ms" in filled:
+            filled[f"{name}_speedup"] = round(filled["sdpa_ms"] / filled[f"{name}_ms"], 2)
     print(json.dumps(result))
 
 
