@@ -201,7 +201,9 @@ def child(name: str, work: Path, device: str, tiny: bool) -> int:
     config = stage_config(work, tiny, extra)
     shutil.rmtree(work / name, ignore_errors=True)  # a rerun in the same --work starts the stage afresh
     (work / (name + ".jsonl")).unlink(missing_ok=True)
-    result: dict = {"ok": False, "backend": config.rollout.backend}
+    result: dict = {"ok": False}
+    if kind != "sft":  # SFT generates nothing: the config's rollout backend is not its
+        result["backend"] = config.rollout.backend
     peak = PeakMemory(device)
     start = time.perf_counter()
     try:

@@ -51,6 +51,7 @@ def test_every_stage_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     assert stages["ppo"]["backend"] == stages["eval"]["backend"] == ("vllm" if with_vllm else "hf")
     assert stages["generate_hf"]["episodes"] == 4 and stages["generate_hf"]["tokens_per_s"] > 0
     assert stages["sft_zero2"]["steps"] == stages["sft_zero3"]["steps"] == 2
+    assert "backend" not in stages["sft_zero2"] and "backend" not in stages["sft_zero3"]
     assert stages["ppo"]["steps"] == 2 and all(diff < 1e-3 for diff in stages["ppo"]["logp_diff"])
     for name, stage in stages.items():  # spa plan's prediction beside each
         assert stage["plan"]["total_gib"] > 0 and stage["plan"]["fits"], name
