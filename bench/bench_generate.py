@@ -30,6 +30,9 @@ generation backend differs:
 * ``engine_widened_bf16``: the engine on the bf16 copy with the native kernel's scores computed by
   widening each bf16 key to float32, not by AVX512-BF16's dot products where the CPU has them
   (`stages.common.kernels.native.bf16_dots`; on a CPU without them the two variants are the same);
+* ``engine_operator_sampling``: the engine drawing its tokens with PyTorch's operators (a
+  log-softmax, exponentials, a cumulative sum and a search over each step's logits) instead of the
+  native kernel's one pass (`stages.common.kernels.native.sample`);
 * ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
   rows share (the instruction) in each attention, instead of reading them once for all rows
   (`stages.common.kernels.attention.shared_prefix_attention`);
@@ -118,6 +121,7 @@ def child(variant: str, args: argparse.Namespace) -> dict:
     linear.enabled = switches != "engine_stock"
     native.enabled = switches != "engine_attention_operators"
     native.bf16_dots_enabled = switches != "engine_widened"
+    native.sampling_enabled = switches != "engine_operator_sampling"
     if switches == "engine_separate_projections":
         linear.INPUT_GROUPS = {}
     if switches == "engine_transformers_forward":
@@ -220,7 +224,7 @@ def main() -> None:
         for suffix in ("", "_bf16"):  # each engine against the other variants in its dtype
             for other in ("vllm", "engine_stock", "engine_transformers_forward", "engine_onednn_prefill_attention",
                           "engine_attention_operators", "engine_widened", "engine_separate_projections",
-                          "engine_copied_prefix"):
+                          "engine_operator_sampling", "engine_copied_prefix"):
                 if f"engine{suffix}" in runs and other + suffix in runs:
                     rate = runs[f"engine{suffix}"]["tokens_per_s"] / runs[other + suffix]["tokens_per_s"]
                     runs[f"engine_vs_{other.removeprefix('engine_')}{suffix}_tokens_per_s"] = round(rate, 2)

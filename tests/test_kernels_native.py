@@ -267,6 +267,7 @@ def test_without_a_compiler_or_avx2_the_operators_compute_it(monkeypatch, rebuil
     query, key, value, mask = decode_case(4, 3, 3, 64, 13, 32, capacity=50)
     assert native.decode_attention(query, key, value, mask, 13, 0.125) is None
     assert native.prefill_attention(*prefill_case(2, 2, 3, 5, cached=7), 0.125) is None
+    assert native.sample(torch.zeros(2, 10), 1.0, torch.full((2,), 0.5)) is None
     ours = attention.shared_prefix_attention(query, key, value, mask, 13, 0.125)
     reference = float64_attention(query, key, value, mask, 0.125)
     assert (ours.double() - reference).abs().max().item() <= 2 * float32_bound(query, key, value, 0.125)

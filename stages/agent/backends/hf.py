@@ -73,6 +73,7 @@ from stages.agent.backends.base import (
 )
 from stages.common import rss
 from stages.common.errors import UserError
+from stages.common.kernels import native
 from stages.common.kernels.decode import DecodeStep
 from stages.common.kernels.linear import PackedLinears
 from stages.common.models import kept_columns
@@ -418,7 +419,7 @@ class HFBackend:
                              **cache.model_kwargs())
             logits = out.logits[:, -1]
         if keep_last:
-            return cache, mask_dev, logits.float()
+            return cache, mask_dev, logits
         return cache, mask_dev
 
     def _shared_columns(self, rows: list[_Row]) -> int:
@@ -527,11 +528,11 @@ class HFBackend:
                 mask[:, column] = True
             attention = mask[:, None, None, :column + 1] if self._mask_4d else mask[:, :column + 1]
             if decode_step is not None:
-                logits = decode_step(token[:, None], pos, cache, attention, cache.shared).float()
+                logits = decode_step(token[:, None], pos, cache, attention, cache.shared)
             else:
                 out = self.model(input_ids=token[:, None], position_ids=pos, attention_mask=attention,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1, **cache.model_kwargs())
-                logits = out.logits[:, -1].float()
+                logits = out.logits[:, -1]
             pos += 1
             column += 1
             self.stats["decode_steps"] += 1
@@ -605,11 +606,22 @@ def _ignore(tokens: int, completions: int) -> None:
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return it and its log-prob under the distribution sampled from.
+    """Sample one token per row of ``logits`` (in the model's dtype); return it and its log-prob
+    under the distribution sampled from.
 
-    temperature 0 is greedy; its log-prob is then that of the untempered model distribution.
+    temperature 0 is greedy; its log-prob is then that of the untempered model distribution. A draw
+    inverts the cumulative distribution at one uniform per row (on a CPU much faster than
+    torch.multinomial, which draws an exponential per vocabulary entry); on a CPU without top-p,
+    `native.sample` does it in one pass over the logits, at the same uniforms.
     """
-    if params.temperature <= 0:
+    greedy = params.temperature <= 0
+    uniforms = None if greedy else torch.rand(logits.shape[0], generator=generator, device=logits.device)
+    if greedy or params.top_p >= 1.0:
+        drawn = native.sample(logits, params.temperature, uniforms)
+        if drawn is not None:
+            return drawn
+    logits = logits.float()
+    if greedy:
         logp = torch.log_softmax(logits, dim=-1)
         token = logits.argmax(dim=-1)
     else:
@@ -617,16 +629,15 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[to
         if params.top_p < 1.0:
             scaled = _top_p_filter(scaled, params.top_p)
         logp = torch.log_softmax(scaled, dim=-1)
-        token = _sample_categorical(logp.exp(), generator)
+        token = _sample_categorical(logp.exp(), uniforms)
     return token, logp.gather(1, token[:, None]).squeeze(1)
 
 
-def _sample_categorical(probs: torch.Tensor, generator) -> torch.Tensor:
-    """One draw per row by inverting the cumulative distribution: one uniform per row (on a CPU
-    much faster than torch.multinomial, which draws an exponential per vocabulary entry)."""
+def _sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds the row's uniform times the total."""
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(1)
+    token = token.clamp_(max=probs.shape[1] - 1)
     # Rounding can land on a zero-probability token at the very end; take the mode then.
     ok = probs.gather(1, token[:, None]).squeeze(1) > 0
     return torch.where(ok, token, probs.argmax(dim=-1))

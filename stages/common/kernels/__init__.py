@@ -8,7 +8,8 @@
   products.
 * `native`: the attention over a KV cache, a decode step's or a prefill's, as one C kernel (scores,
   softmax and the values' sum in one pass, float32 arithmetic over a float32 or bfloat16 cache),
-  compiled on first use with the machine's C compiler, for x86 CPUs with AVX2.
+  and a decode step's sampling from its logits, in C compiled on first use with the machine's C
+  compiler, for x86 CPUs with AVX2.
 * `decode`: a decode step of a Llama-family model as one loop over its layers on its own weights,
   with fewer operators and none of transformers' per-module machinery (the hf backend's, on a CPU).
 

@@ -18,11 +18,9 @@
  *   rounded to bfloat16 (to nearest, ties to even) only here
  * A query that may see no column (every score -inf) gets zeros.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "vectors.h"
 
 /* Compilers that emit AVX512-BF16 for a function of its own (target attribute), used only where
  * the CPU has it (spa_bf16_dots). */
@@ -43,35 +41,6 @@ typedef struct {
     float scale;
 } Job;
 
-static inline float sum8(__m256 x) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum), as Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2,
- * exp(r) as 1 + r + r^2 p(r) with Cephes' degree-5 p, and 2^n put into the exponent bits. Relative
- * error about 2 float ulps; x below -87.3 (and -inf) gives 0. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    const __m256 r2 = _mm256_mul_ps(r, r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256 two_to_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
-    return _mm256_and_ps(_mm256_mul_ps(p, two_to_n), keep);
-}
-
 /* A row of scores' length: columns rounded up to whole vectors of 8. */
 static inline int padded(int columns) { return (columns + 7) / 8 * 8; }
 
@@ -88,21 +57,6 @@ static inline const char *column(const char *base, int64_t row_stride, int64_t h
                                  int row, int head, int c, int shared, int bf16) {
     const int64_t element = (c < shared ? 0 : row * row_stride) + head * head_stride + c * column_stride;
     return base + (element << (bf16 ? 1 : 2));
-}
-
-/* Eight keys' or values' elements from p as float32: a bfloat16 is a float32's upper 16 bits. */
-static inline __m256 load8_kv(const char *p, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)p);
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-static inline float kv_at(const char *p, int d, int bf16) {
-    if (!bf16) return ((const float *)p)[d];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[d] << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
 }
 
 /* Column c's values for a head, fetched into L2 while the keys' arithmetic runs, for the values
@@ -131,7 +85,7 @@ static inline __attribute__((always_inline)) void weighted_values(const Job *job
         __m256 w[3];
         for (int g = 0; g < nq; g++) w[g] = _mm256_broadcast_ss(weights + g * stride + c);
         for (int j = 0; j < vecs; j++) {
-            const __m256 x = load8_kv(v + (8 * j << log_bytes), bf16);
+            const __m256 x = load8(v + (8 * j << log_bytes), bf16);
             for (int g = 0; g < nq; g++) acc[g][j] = _mm256_fmadd_ps(w[g], x, acc[g][j]);
         }
     }
@@ -165,7 +119,7 @@ static inline __attribute__((always_inline)) void widened_scores(const Job *job,
             const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c + k8, job->shared,
                                    bf16);
             if (bf16) {
-                for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide[k8] + d, load8_kv(k + (d << 1), 1));
+                for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide[k8] + d, load8(k + (d << 1), 1));
                 keys[k8] = wide[k8];
             } else {
                 keys[k8] = (const float *)k;
@@ -191,7 +145,7 @@ static inline __attribute__((always_inline)) void widened_scores(const Job *job,
         for (int c = blocked; c < columns; c++) {
             const char *k = column(job->keys, job->k_row, job->k_head, job->k_col, row, head, c, job->shared, bf16);
             float dot = 0.0f;
-            for (int d = 0; d < dim; d++) dot += query[i][d] * kv_at(k, d, bf16);
+            for (int d = 0; d < dim; d++) dot += query[i][d] * element_at(k, d, bf16);
             s[c] = dot * job->scale + mask[i][c];
             top[i] = fmaxf(top[i], s[c]);
         }
@@ -318,17 +272,6 @@ static BF16_DOTS_TARGET void scores_by_bf16_dots(const Job *job, int row, int he
 }
 #endif
 
-/* Eight float32 rounded to bfloat16, to nearest with ties to even (as PyTorch rounds; no NaN
- * reaches here). */
-static inline __m128i rounded_to_bf16(__m256 x) {
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounding = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
-    const __m256i upper = _mm256_srli_epi32(_mm256_add_epi32(bits, rounding), 16);
-    /* 32 -> 16 bits within each 128-bit lane (exact: each is below 2^16), then the lanes' halves joined */
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(upper, upper), 0x08));
-}
-
 /* A task's outputs, query i's float32 sums in sums[i], stored at [row, token, head, :] in the
  * query's dtype. */
 static inline void store_outputs(const Job *job, int row, int head, int first, int count, float sums[][128]) {
@@ -353,7 +296,7 @@ static inline const float *additive_mask(const Job *job, int row, int token, flo
     if (job->mask_dtype == 0) return (const float *)job->mask + at;
     for (int c = 0; c < job->columns; c++)
         to[c] = job->mask_dtype == 2 ? (((const uint8_t *)job->mask)[at + c] ? 0.0f : -INFINITY)
-                                     : kv_at(job->mask + (at << 1), c, 1);
+                                     : element_at(job->mask + (at << 1), c, 1);
     return to;
 }
 
@@ -382,7 +325,7 @@ static inline __attribute__((always_inline)) void run_task(const Job *job, int t
         const int64_t at = row * job->q_row + h * job->q_head + token * job->q_token;
         given[i] = job->query + (at << (job->bf16_io ? 1 : 2));
         if (job->bf16_io && !dots) {
-            for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide_query[i] + d, load8_kv(given[i] + (d << 1), 1));
+            for (int d = 0; d < dim; d += 8) _mm256_storeu_ps(wide_query[i] + d, load8(given[i] + (d << 1), 1));
             query[i] = wide_query[i];
         } else {
             query[i] = (const float *)given[i];

@@ -24,14 +24,23 @@ are the same float32 sums in another order, without widening a key; its weighted
 AVX512 registers, six queries a value load. The instructions are compiled into the same library
 for those functions alone and taken where the CPU reports them.
 
-The library is compiled once per machine into ``$SPA_CACHE/kernels`` (``cc -O3 -mavx2 -mfma
--fopenmp``, about a second; ``$CC`` names another compiler) and loaded with ctypes: no PyTorch
-headers, no build step at install. Where it cannot be had (not Linux on x86-64, a CPU without AVX2,
-no compiler, a failed build, a head size other than 64 or 128, more than 16 queries a key/value
-head) `decode_attention` and `prefill_attention` return None and the caller computes the attention
-with PyTorch's operators, as before. The outputs equal the exact attention of the same inputs up to
-float32 rounding, and a bfloat16 output its rounding (tests/test_kernels_native.py); the exponential
-is a polynomial within about 2 float32 ulps.
+`sample` (``sample.c``) draws a decode step's tokens from its logits: per row one pass for the
+maximum and one for the exponentials, summed in blocks of 64 tokens, then the block and the token
+where the cumulative sum passes the row's uniform times the total, and the token's log-probability
+from the same sums. The operators it replaces (a scaling, a log-softmax, its exponentials, a
+cumulative sum, a search, the gathers) each pass over the whole ``[rows, vocabulary]`` logits and
+write a tensor of that size.
+
+The library is compiled once per machine into ``$SPA_CACHE/kernels`` from ``attention.c`` and
+``sample.c``, which share ``vectors.h`` (``cc -O3 -mavx2 -mfma -fopenmp``, about a second; ``$CC``
+names another compiler) and loaded with ctypes: no PyTorch headers, no build step at install.
+Where it cannot be had (not Linux on x86-64, a CPU without AVX2, no compiler, a failed build; for
+the attention also a head size other than 64 or 128, more than 16 queries a key/value head)
+`decode_attention`, `prefill_attention` and `sample` return None and the caller computes with
+PyTorch's operators, as before. The attention's outputs equal the exact attention of the same
+inputs up to float32 rounding, and a bfloat16 output its rounding (tests/test_kernels_native.py);
+a drawn token is the one float64's cumulative distribution gives at its uniform
+(tests/test_kernels_sample.py); the exponential is a polynomial within about 2 float32 ulps.
 """
 
 from __future__ import annotations
@@ -48,7 +57,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("attention.c")
+#: The library's C sources, and the header they share.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.c", "sample.c"))
+HEADER = Path(__file__).with_name("vectors.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 #: The head sizes and group sizes (query heads per key/value head) the kernel takes.
 HEAD_DIMS, MAX_GROUP = (64, 128), 16
@@ -56,7 +67,8 @@ HEAD_DIMS, MAX_GROUP = (64, 128), 16
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 #: The masks it reads as they are (additive, or True where a query attends), in its argument's order.
 MASK_DTYPES = (torch.float32, torch.bfloat16, torch.bool)
-enabled = True  #: false keeps PyTorch's operators: benchmarks time them beside the kernel
+enabled = True  #: false keeps PyTorch's operators for the attention: benchmarks time them beside the kernel
+sampling_enabled = True  #: false keeps PyTorch's operators for sampling (`sample`), likewise
 #: false keeps a bfloat16 cache's scores on the widening path where the CPU has AVX512-BF16
 #: (benchmarks and tests compare the two)
 bf16_dots_enabled = True
@@ -92,6 +104,31 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     under ``mask`` ``[rows or 1, 1, tokens or 1, columns]``, boolean (True: attend) or additive; as
     `decode_attention` otherwise. Returns ``[rows, tokens, heads, dim]``, or None."""
     return _attention(query, key, value, mask, 0, scale, "spa::prefill_attention")
+
+
+def sample(logits: torch.Tensor, temperature: float,
+           uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token a row of ``logits`` ``[rows, vocab]`` (float32 or bfloat16, on the CPU, the last
+    dimension dense) and its log-probability, in one pass over them. With ``uniforms`` (float32
+    ``[rows]`` in [0, 1)): drawn from softmax(logits / temperature) by inverting its cumulative
+    distribution at the row's uniform, the first token whose cumulative probability exceeds the
+    uniform times the total, as ``torch.searchsorted(cdf, u * cdf[-1], right=True)`` picks; without
+    (greedy): the first maximum, its log-probability under the untempered distribution. Returns
+    (int64 tokens, float32 log-probs), or None where the kernel does not apply."""
+    library = _library() if sampling_enabled else None
+    if (library is None or logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype not in CACHE_DTYPES
+            or logits.stride(-1) != 1 or (uniforms is not None and temperature <= 0)):
+        return None
+    rows = logits.shape[0]
+    if uniforms is not None:
+        uniforms = uniforms.to(torch.float32).contiguous()
+    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
+    with torch.profiler.record_function("spa::sample"):
+        status = library.spa_sample(
+            logits.data_ptr(), logits.stride(0), rows, logits.shape[1], int(logits.dtype == torch.bfloat16),
+            1.0 / temperature if uniforms is not None else 1.0, uniforms.data_ptr() if uniforms is not None else None,
+            tokens.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
+    return (tokens, logprobs) if status == 0 else None
 
 
 def _attention(query, key, value, mask, shared: int, scale: float, label: str) -> torch.Tensor | None:
@@ -139,6 +176,9 @@ def _library() -> ctypes.CDLL | None:
     function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 11 + [ctypes.c_int] * 11
                          + [ctypes.c_float, ctypes.c_int])
     library.spa_bf16_dots.restype = ctypes.c_int
+    library.spa_sample.restype = ctypes.c_int
+    library.spa_sample.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                   ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return library
 
 
@@ -150,7 +190,8 @@ def _built() -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS]).encode()).hexdigest()[:16]
+    texts = [source.read_text() for source in (*SOURCES, HEADER)]
+    digest = hashlib.sha256("\0".join([*texts, compiler, *FLAGS]).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"attention-{digest}.so"
     if path.exists():
         return path
@@ -159,7 +200,8 @@ def _built() -> Path | None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
+                           timeout=120)
             os.replace(tmp, path)  # another process building the same library at once loses nothing
         finally:
             Path(tmp).unlink(missing_ok=True)
