@@ -32,7 +32,7 @@ generation backend differs:
   (`stages.common.kernels.native.bf16_dots`; on a CPU without them the two variants are the same);
 * ``engine_operator_sampling``: the engine drawing its tokens with PyTorch's operators (a
   log-softmax, exponentials, a cumulative sum and a search over each step's logits) instead of the
-  native kernel's one pass (`stages.common.kernels.native.sample`);
+  native kernel (`stages.common.kernels.native.sample`);
 * ``engine_copied_prefix``: the engine with every row reading its own copy of the columns all
   rows share (the instruction) in each attention, instead of reading them once for all rows
   (`stages.common.kernels.attention.shared_prefix_attention`);

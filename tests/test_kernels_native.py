@@ -88,7 +88,7 @@ def _kernels_dir():
 def test_the_kernel_is_built_where_the_machine_can_run_it(rebuilt):
     assert native.available() == can_build()
     if can_build():
-        assert list(_kernels_dir().glob("attention-*.so"))
+        assert list(_kernels_dir().glob("native-*.so"))
 
 
 needs_kernel = pytest.mark.skipif(not can_build(), reason="the kernel needs Linux, AVX2 and a C compiler")

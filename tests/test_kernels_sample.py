@@ -1,5 +1,5 @@
-"""`stages.common.kernels.native.sample`, a decode step's tokens drawn from its logits in one C pass a
-row: the token is the one the float64 cumulative distribution gives at the row's uniform, its
+"""`stages.common.kernels.native.sample`, a decode step's tokens drawn from its logits by one C call:
+the token is the one the float64 cumulative distribution gives at the row's uniform, its
 log-probability float64's up to float32 rounding, greedy picks the first maximum as torch.argmax
 does, and the hf backend's sampler draws the same tokens with and without it."""
 

@@ -612,7 +612,7 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[to
     temperature 0 is greedy; its log-prob is then that of the untempered model distribution. A draw
     inverts the cumulative distribution at one uniform per row (on a CPU much faster than
     torch.multinomial, which draws an exponential per vocabulary entry); on a CPU without top-p,
-    `native.sample` does it in one pass over the logits, at the same uniforms.
+    `native.sample` does it in one C call, at the same uniforms.
     """
     greedy = params.temperature <= 0
     uniforms = None if greedy else torch.rand(logits.shape[0], generator=generator, device=logits.device)

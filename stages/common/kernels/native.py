@@ -109,7 +109,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def sample(logits: torch.Tensor, temperature: float,
            uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One token a row of ``logits`` ``[rows, vocab]`` (float32 or bfloat16, on the CPU, the last
-    dimension dense) and its log-probability, in one pass over them. With ``uniforms`` (float32
+    dimension dense) and its log-probability, in one C call. With ``uniforms`` (float32
     ``[rows]`` in [0, 1)): drawn from softmax(logits / temperature) by inverting its cumulative
     distribution at the row's uniform, the first token whose cumulative probability exceeds the
     uniform times the total, as ``torch.searchsorted(cdf, u * cdf[-1], right=True)`` picks; without
@@ -192,7 +192,7 @@ def _built() -> Path | None:
         return None
     texts = [source.read_text() for source in (*SOURCES, HEADER)]
     digest = hashlib.sha256("\0".join([*texts, compiler, *FLAGS]).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"attention-{digest}.so"
+    path = cache_root() / "kernels" / f"native-{digest}.so"
     if path.exists():
         return path
     try:
