@@ -12,21 +12,21 @@
  * sums, then its token inside the block. */
 #define BLOCK 64
 
-/* exp(x[i] * inv_t - top) for the `count` (<= BLOCK) tokens at x, into e; their sum. The same
+/* exp(x[i] * inv_t - shift) for the `count` (<= BLOCK) tokens at x, into e; their sum. The same
  * arithmetic whenever a block is computed, so a block's sum and its elements agree. */
-static float block_exps(const char *x, int count, int bf16, float inv_t, float top, float *e) {
-    const __m256 scale = _mm256_set1_ps(inv_t), shift = _mm256_set1_ps(top);
+static float block_exps(const char *x, int count, int bf16, float inv_t, float shift, float *e) {
+    const __m256 scale = _mm256_set1_ps(inv_t), offset = _mm256_set1_ps(shift);
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= count; i += 8) {
-        const __m256 v = exp8(_mm256_fmsub_ps(load8(x + ((int64_t)i << (bf16 ? 1 : 2)), bf16), scale, shift));
+        const __m256 v = exp8(_mm256_fmsub_ps(load8(x + ((int64_t)i << (bf16 ? 1 : 2)), bf16), scale, offset));
         _mm256_storeu_ps(e + i, v);
         acc = _mm256_add_ps(acc, v);
     }
     if (i < count) {  /* the vocabulary's last tokens: padded with -inf, whose exponential is 0 */
         float tail[8];
         for (int j = 0; j < 8; j++) tail[j] = i + j < count ? element_at(x, i + j, bf16) : -INFINITY;
-        const __m256 v = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(tail), scale, shift));
+        const __m256 v = exp8(_mm256_fmsub_ps(_mm256_loadu_ps(tail), scale, offset));
         float out[8];
         _mm256_storeu_ps(out, v);
         for (int j = 0; i + j < count; j++) e[i + j] = out[j];
@@ -93,7 +93,7 @@ static void sample_row(const char *x, int vocab, int bf16, float inv_t, float un
  * drawn from softmax(logits * inv_temperature) at uniforms[r] in [0, 1), by inverting its cumulative
  * distribution; without (NULL), the first maximum. tokens[r] and logprobs[r] (under the
  * distribution drawn from; greedy: the untempered one). Rows split over `threads` OpenMP threads.
- * Returns 0, or -2 when it could not allocate. */
+ * Returns 0, -1 for arguments it does not take, or -2 when it could not allocate. */
 int spa_sample(const void *logits, int64_t row_stride, int rows, int vocab, int bf16, float inv_temperature,
                const float *uniforms, int64_t *tokens, float *logprobs, int threads) {
     if (vocab < 1 || rows < 0 || (bf16 & ~1)) return -1;
