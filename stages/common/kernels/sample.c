@@ -1,4 +1,4 @@
-/* Sampling a decode step's next tokens from its logits in one pass a row, in C, instead of a chain
+/* Sampling a decode step's next tokens from its logits in one call, in C, instead of a chain
  * of PyTorch operators over [rows, vocabulary] tensors (a scaling, a log-softmax, exponentials, a
  * cumulative sum, a search, gathers). Built into one library with attention.c by
  * stages/common/kernels/native.py, which documents it. Logits in float32 or (bf16 = 1) bfloat16,
