@@ -191,7 +191,7 @@ def test_grouped_heads_decode_as_with_eager_attention():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("context", "length", "kv_heads"), [(300, 270, 2), (7, 5, 6), (300, 1, 2), (0, 9, 2)])
+@pytest.mark.parametrize(("context", "length", "kv_heads"), [(300, 270, 2), (7, 5, 6), (300, 1, 2), (1, 9, 2)])
 def test_context_then_causal_attention_equals_the_masked_softmax(dtype, context, length, kv_heads):
     """A tree node's queries over its ancestors' keys (all seen) and its own (causally): outputs and
     the gradients of queries, keys and values against SDPA in float64 under the dense mask, on the
@@ -204,7 +204,8 @@ def test_context_then_causal_attention_equals_the_masked_softmax(dtype, context,
     key, value = (torch.rand(1, kv_heads, context + length, 16, dtype=dtype) * 2 - 1 for _ in range(2))
     weights = torch.rand(1, 6, length, 16, dtype=dtype) * 2 - 1
     inputs = [x.requires_grad_() for x in (query, key, value)]
-    ours = context_then_causal_attention(*inputs, 0.5)
+    ours = context_then_causal_attention(query, key[:, :, context:], value[:, :, context:], key[:, :, :context],
+                                         value[:, :, :context], 0.5)
     ours_grads = torch.autograd.grad(ours, inputs, weights)
     exact = [x.detach().double().requires_grad_() for x in inputs]
     mask = torch.arange(context + length)[None, :] <= torch.arange(context, context + length)[:, None]
@@ -230,6 +231,7 @@ def test_context_then_causal_attention_under_autocast_computes_in_its_dtype():
     query, key = torch.randn(1, 6, 5, 16), torch.randn(1, 2, 12, 16)
     value = torch.randn(1, 2, 12, 16, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed = context_then_causal_attention(query, key, value, 0.5)
-    cast = context_then_causal_attention(query.bfloat16(), key.bfloat16(), value, 0.5)
+        mixed = context_then_causal_attention(query, key[:, :, 7:], value[:, :, 7:], key[:, :, :7], value[:, :, :7], 0.5)
+    cast = context_then_causal_attention(query.bfloat16(), key[:, :, 7:].bfloat16(), value[:, :, 7:],
+                                         key[:, :, :7].bfloat16(), value[:, :, :7], 0.5)
     assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, cast)

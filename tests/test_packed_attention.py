@@ -99,8 +99,8 @@ def test_tree_attention_with_a_window_equals_sdpa_under_the_dense_mask(window, q
 
 @pytest.mark.parametrize("window", [None, WINDOW])
 @pytest.mark.parametrize(("context", "length"), [(0, 9), (7, 270), (300, 5)])  # query blocks of 256: cut and whole
-def test_node_attention_after_cached_keys_equals_sdpa_under_the_rows_mask(context, length, window):
-    """One tree node's queries after `context` cached keys of its ancestors (what `spa sft`'s node
+def test_node_attention_after_its_ancestors_keys_equals_sdpa_under_the_rows_mask(context, length, window):
+    """One tree node's queries after `context` keys of its ancestors (what `spa sft`'s node
     passes compute, `stages.training.tree_passes`): the outputs and the gradients of queries, keys
     and values of SDPA under its row's causal mask (windowed where given), grouped heads 6:2."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -114,8 +114,12 @@ def test_node_attention_after_cached_keys_equals_sdpa_under_the_rows_mask(contex
     module.num_key_value_groups, module.is_causal = 3, True
     dense = outputs_and_grads(lambda q, k, v: sdpa_attention_forward(
         module, q, k, v, mask[None, None], scaling=0.3)[0], [q, k, v], weights)
-    ours = outputs_and_grads(lambda q, k, v: prefix_tree.node_attention(q, k, v, scaling=0.3, window=window)[0],
-                             [q, k, v], weights)
+    def node(q, k, v):  # the node's own keys, and its ancestors' (none at a root)
+        past = (k[:, :, :context], v[:, :, :context]) if context else (None, None)
+        return prefix_tree.node_attention(q, k[:, :, context:], v[:, :, context:], *past, scaling=0.3,
+                                          window=window)[0]
+
+    ours = outputs_and_grads(node, [q, k, v], weights)
     for a, b in zip([ours[0], *ours[1]], [dense[0], *dense[1]], strict=True):
         assert_close(a, b)
 

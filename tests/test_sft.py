@@ -742,7 +742,7 @@ def test_node_passes_give_the_packed_trees_losses_and_gradients_one_row_at_a_tim
     of a shared system prompt, two trajectories' turn rows and two rows of another system prompt,
     under every `sft.loss_agg`, each parameter's gradient and the summed loss are those of the
     whole tree in one pass (fp32; the tolerance of the test above); every forward pass holds at
-    most one row's tokens (its own and its ancestors' in the cache), and each token is computed
+    most one row's tokens (its own and its ancestors'), and each token is computed
     once."""
 
     from stages.common import prefix_tree
@@ -755,7 +755,8 @@ def test_node_passes_give_the_packed_trees_losses_and_gradients_one_row_at_a_tim
 
     class Engine:  # TorchEngine's calls, counting what each forward holds
         def __call__(self, **inputs):
-            held.append(inputs["cache"].get_seq_length() + inputs["input_ids"].shape[1])
+            context = inputs["node"].context
+            held.append((context[0][0].shape[2] if context else 0) + inputs["input_ids"].shape[1])
             return policy(**inputs)
 
         def backward(self, loss, last=True):

@@ -31,8 +31,8 @@ of the query's node, the key does not come after the query, and within the windo
 the tiles the mask empties. Its tile tables come from the node ranges (`TreeLayout.tile_counts`):
 `create_block_mask` would evaluate the mask densely, a T x T mask and two T x T int64 index
 tensors (4.8 GB at 16k tokens); the per-node SDPA masks are built only where SDPA runs.
-`node_attention` computes one node the same way when its ancestors' keys come from a KV cache
-(`stages.training.tree_passes`, which runs one node a pass).
+`node_attention` computes one node the same way when its ancestors' keys come from their own
+passes (`stages.training.tree_passes`, which runs one node a pass: `NodePass`).
 """
 
 from __future__ import annotations
@@ -306,33 +306,56 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
             blocks.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
                                                          enable_gqa=gqa))
             continue
+        if merged:
+            past_k, past_v = (torch.cat([parts[a] for a in ancestors], dim=2) for parts in (keys, values))
+            blocks.append(context_then_causal_attention(q, k, v, past_k, past_v, scaling))
+            continue
         if ancestors:
             k = torch.cat([keys[a] for a in ancestors] + [k], dim=2)
             v = torch.cat([values[a] for a in ancestors] + [v], dim=2)
-        if merged:
-            blocks.append(context_then_causal_attention(q, k, v, scaling))
-            continue
         blocks.extend(_context_blocks(q, k, v, mask, layout.query_block, scaling, dropout, window))
     return torch.cat(blocks, dim=2).transpose(1, 2).contiguous(), None
 
 
-def node_attention(query, key, value, scaling=None, window: int | None = None):
+class NodePass:
+    """One prefix-tree node's forward pass after its ancestors (`stages.training.tree_passes`), as
+    its attention calls see it: per layer, the ancestors' keys and values to read (``context``, a
+    list of ``(keys, values)`` ``[1, kv_heads, ancestors' tokens, dim]``, or None for a root), and
+    the node's own, which each call leaves in ``own`` for the node's children. The model calls
+    its layers' attention in layer order, one call a layer, so the n-th call is layer n's."""
+
+    def __init__(self, context: list | None = None):
+        self.context = context
+        self.own: list[tuple] = []
+
+    def exchange(self, key, value) -> tuple:
+        """Record this layer's own keys and values; return its ancestors' (``(None, None)`` at a root)."""
+        layer = len(self.own)
+        self.own.append((key, value))
+        return self.context[layer] if self.context else (None, None)
+
+
+def node_attention(query, key, value, past_key=None, past_value=None, scaling=None, window: int | None = None):
     """Attention of one node's queries (``[1, heads, n, dim]``) over the keys of its row up to
-    each of them: the cached keys of its ancestors, then its own (``key``/``value`` ``[1, kv_heads,
-    context + n, dim]``), causally over its own, within `window` where given; as `tree_attention`
-    computes a node with ancestors. Returns ``([1, n, heads, dim], None)``."""
+    each of them: its ancestors' (``past_key``/``past_value`` ``[1, kv_heads, context, dim]``;
+    None at a root), then its own (``key``/``value`` ``[1, kv_heads, n, dim]``), causally over its
+    own, within `window` where given; as `tree_attention` computes a node with ancestors. Returns
+    ``([1, n, heads, dim], None)``."""
     import torch
     import torch.nn.functional as F
 
     from stages.common.kernels.attention import context_then_causal_attention
 
-    context = key.shape[2] - query.shape[2]
-    if context == 0 and window is None:  # a root: causal attention over itself
+    if past_key is None and window is None:  # a root: causal attention over itself
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
-    if window is None and query.device.type == "cpu":
-        return context_then_causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    if past_key is not None and window is None and query.device.type == "cpu":
+        out = context_then_causal_attention(query, key, value, past_key, past_value, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if past_key is not None:
+        key, value = torch.cat([past_key, key], dim=2), torch.cat([past_value, value], dim=2)
+    context = key.shape[2] - query.shape[2]
     queries = torch.arange(context, key.shape[2], device=query.device)[:, None]
     keys = torch.arange(key.shape[2], device=query.device)[None, :]
     mask = (keys <= queries) & (queries - keys < window) if window is not None else keys <= queries

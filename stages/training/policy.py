@@ -56,10 +56,11 @@ class StepPolicy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
                 cols: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False, with_values: bool = False,
-                position_ids: torch.Tensor | None = None, layout: Any = None, cache: Any = None):
+                position_ids: torch.Tensor | None = None, layout: Any = None, node: Any = None):
         """(log-probs, entropies or None, values or None) at the positions ``(rows, cols)``; with a
-        ``cache`` (a transformers `Cache`) the tokens follow the ones it holds, and it gains theirs."""
-        inputs = _model_inputs(input_ids, attention_mask, position_ids, layout, cache)
+        ``node`` (a `stages.common.prefix_tree.NodePass`) the tokens are one prefix-tree node after
+        the ancestors' keys it holds, and it gains theirs."""
+        inputs = _model_inputs(input_ids, attention_mask, position_ids, layout, node)
         if self.plain_head:
             hidden = self.lm.base_model(**inputs).last_hidden_state[rows, cols]
             head = self.lm.get_output_embeddings()
@@ -137,15 +138,14 @@ def _scores(logits, targets, temperature, with_entropy):
     return algos.logprobs_from_logits(logits, targets), None
 
 
-def _model_inputs(input_ids, attention_mask, position_ids, layout, cache=None) -> dict:
+def _model_inputs(input_ids, attention_mask, position_ids, layout, node=None) -> dict:
     """The model call's arguments; a prefix-tree-packed batch's ``layout`` reaches its attention
-    as ``packed_layout`` (`stages.common.kernels.attention.spa_sdpa`); a ``cache`` holds the keys
-    and values of the tokens before these in their row (`stages.training.tree_passes`), which they
-    all see, as their attention knows by ``tree_node``."""
+    as ``packed_layout`` (`stages.common.kernels.attention.spa_sdpa`), a node pass's ``node``
+    (`stages.training.tree_passes`) as ``tree_node``."""
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-              "use_cache": cache is not None, "past_key_values": cache}
-    if cache is not None:
-        inputs["tree_node"] = True
+              "use_cache": False}
+    if node is not None:
+        inputs["tree_node"] = node
     return inputs | {"packed_layout": layout} if layout is not None else inputs
 
 

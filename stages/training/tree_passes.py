@@ -3,19 +3,20 @@ a CPU).
 
 Packed as one sequence (`stages.common.prefix_tree`), a micro-batch computes each shared token
 once but holds the activations of the whole tree until its backward: several rows' worth. Here the
-tree is walked depth first instead. Each node is one forward pass over its own tokens that reads
-its ancestors' keys and values from a KV cache; its keys and values go on to its children as
-leaf tensors, whose gradients the children's backward passes fill; once they are done, the
+tree is walked depth first instead. Each node is one forward pass over its own tokens whose
+attention reads its ancestors' keys and values as they are (`prefix_tree.NodePass`, no cache
+concatenating them with the node's own); its keys and values go on to its children as leaf
+tensors, whose gradients the children's backward passes fill; once they are done, the
 node's own backward carries its loss and those gradients through its layers, and lets its
 activations go. So the activations held at once are those of one root-to-leaf path, a single
 row's at most (as many as training each row alone holds), while every shared token is computed
 once: the rows' losses and gradients are those of the packed pass (tests/test_sft.py).
 
 `applies` says where it runs: the plain-torch engine (DeepSpeed's engines reduce and scale each
-backward pass themselves), without gradient checkpointing (transformers keeps no cache in a
-checkpointed training pass), on a model without sliding-window layers (their cache keeps only the
-window), on the CPU (on CUDA one compiled FlexAttention call over the whole tree is faster than
-many small passes).
+backward pass themselves), without gradient checkpointing (a checkpointed layer runs its
+attention again in the backward, which `NodePass` would take for the next layer's), on a model
+without sliding-window layers, on the CPU (on CUDA one compiled FlexAttention call over the whole
+tree is faster than many small passes).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from stages.common.prefix_tree import NodePass
 from stages.training.sft_data import collate
 
 
@@ -70,21 +72,18 @@ class _Walk:
     def run(self) -> float:
         for root, (_, _, parent) in enumerate(self.nodes):
             if parent < 0 and self.needed[root]:
-                self.visit(root, [])
+                self.visit(root, None)
         return self.loss
 
-    def visit(self, node: int, context: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        from transformers import DynamicCache
-
+    def visit(self, node: int, context: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         start, end, _ = self.nodes[node]
         cols, ids, node_weights = self.targets[node]
-        cache = DynamicCache(ddp_cache_data=context) if context else DynamicCache()
-        past = cache.get_seq_length()
+        node_pass = NodePass(context)
         logprobs, _, _ = self.engine(input_ids=self.batch["input_ids"][:, start:end], attention_mask=None,
                                      rows=torch.zeros_like(cols), cols=cols, targets=ids,
-                                     position_ids=self.batch["position_ids"][:, start:end], cache=cache)
-        own = [(layer.keys[:, :, past:], layer.values[:, :, past:]) for layer in cache.layers]
-        del cache
+                                     position_ids=self.batch["position_ids"][:, start:end], node=node_pass)
+        own = node_pass.own
+        del node_pass
         kids = [child for child in self.children[node] if self.needed[child]]
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in own] if kids else []
         if kids:

@@ -57,23 +57,25 @@ SCORE_EXTRAS = ("position_bias", "s_aux", "softcap", "sinks")
 
 
 def spa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-             packed_layout=None, tree_node=False, shared_columns=None, **kwargs):
+             packed_layout=None, tree_node=None, shared_columns=None, **kwargs):
     """transformers' SDPA attention, computed node by node for a prefix-tree-packed sequence
     (``packed_layout``, `stages.common.prefix_tree.tree_attention`) or for one node of such a tree
-    after its ancestors' cached keys (``tree_node``, `stages.common.prefix_tree.node_attention`),
-    with the columns every row shares read once for all rows (``shared_columns``,
-    `shared_prefix_attention`) and without copying the KV cache for a one-token query under
-    grouped heads where transformers lacks that itself (`grouped_query_sdpa`). Same outputs."""
+    after its ancestors' keys (``tree_node``, a `stages.common.prefix_tree.NodePass`,
+    `stages.common.prefix_tree.node_attention`), with the columns every row shares read once for
+    all rows (``shared_columns``, `shared_prefix_attention`) and without copying the KV cache for a
+    one-token query under grouped heads where transformers lacks that itself (`grouped_query_sdpa`).
+    Same outputs."""
     from transformers.integrations import sdpa_attention
 
-    if packed_layout is not None or tree_node:
+    if packed_layout is not None or tree_node is not None:
         from stages.common.prefix_tree import node_attention, tree_attention
 
         if any(kwargs.get(name) is not None for name in SCORE_EXTRAS):
             raise UserError("prefix-tree packing cannot apply this model's attention soft-capping, sinks or position "
                             "bias; set sft.share_prefix and ppo.share_prefix to false")
-        if tree_node:
-            return node_attention(query, key, value, scaling, window=kwargs.get("sliding_window"))
+        if tree_node is not None:
+            past_key, past_value = tree_node.exchange(key, value)
+            return node_attention(query, key, value, past_key, past_value, scaling, window=kwargs.get("sliding_window"))
         return tree_attention(query, key, value, packed_layout, scaling, dropout if module.training else 0.0,
                               window=kwargs.get("sliding_window"))
     if (attention_mask is not None and query.device.type == "cpu" and not torch.is_grad_enabled()
@@ -229,51 +231,47 @@ class _ContextThenCausal(torch.autograd.Function):
     """`context_then_causal_attention`'s forward and backward (see there)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, context: int, scale: float | None):
+    def forward(ctx, query, key, value, past_key, past_value, scale: float | None):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        past_out, past_lse = flash(query, key[:, :, :context], value[:, :, :context], scale=scale)
-        own_out, own_lse = flash(query, key[:, :, context:], value[:, :, context:], is_causal=True, scale=scale)
+        past_out, past_lse = flash(query, past_key, past_value, scale=scale)
+        own_out, own_lse = flash(query, key, value, is_causal=True, scale=scale)
         lse = torch.logaddexp(past_lse, own_lse)  # one softmax over both parts, in float32 (the lse's dtype)
         out = (past_out * (past_lse - lse).exp_().unsqueeze(-1)).add_(own_out * (own_lse - lse).exp_().unsqueeze(-1))
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.context, ctx.scale = context, scale
+        ctx.save_for_backward(query, key, value, past_key, past_value, out, lse)
+        ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        query, key, value, out, lse = ctx.saved_tensors
-        grad_out, context = grad_out.contiguous(), ctx.context
+        query, key, value, past_key, past_value, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
         # Each part's gradients under the whole softmax: its probabilities are exp(score - lse) with
         # the merged lse, and the softmax's correction term is rowsum(grad_out * out) of the merged out.
-        q_past, k_past, v_past = backward(grad_out, query, key[:, :, :context], value[:, :, :context], out, lse,
-                                          0.0, False, scale=ctx.scale)
-        q_own, k_own, v_own = backward(grad_out, query, key[:, :, context:], value[:, :, context:], out, lse,
-                                       0.0, True, scale=ctx.scale)
-        return q_past.add_(q_own), torch.cat([k_past, k_own], dim=2), torch.cat([v_past, v_own], dim=2), None, None
+        q_past, k_past, v_past = backward(grad_out, query, past_key, past_value, out, lse, 0.0, False,
+                                          scale=ctx.scale)
+        q_own, k_own, v_own = backward(grad_out, query, key, value, out, lse, 0.0, True, scale=ctx.scale)
+        return q_past.add_(q_own), k_own, v_own, k_past, v_past, None
 
 
-def context_then_causal_attention(query, key, value, scale: float | None = None):
-    """Attention of ``query`` ``[batch, heads, n, dim]`` over ``key``/``value`` ``[batch, kv_heads,
-    context + n, dim]`` where every query sees all ``context`` first keys and its own keys causally
-    (a prefix-tree node after its ancestors' keys, `stages.common.prefix_tree`). CPU only; returns
-    ``[batch, heads, n, dim]``, differentiable.
+def context_then_causal_attention(query, key, value, past_key, past_value, scale: float | None = None):
+    """Attention of a prefix-tree node's ``query`` ``[batch, heads, n, dim]`` over its ancestors'
+    keys and values ``past_key``/``past_value`` ``[batch, kv_heads, context, dim]``, all visible,
+    then its own ``key``/``value`` ``[batch, kv_heads, n, dim]``, causally
+    (`stages.common.prefix_tree`). CPU only; returns ``[batch, heads, n, dim]``, differentiable.
 
     SDPA's CPU kernel reads causality from the top left, so this mask (causal from the bottom right)
     would have to be given as a tensor, which it converts to an additive float mask [n, context + n]
     and keeps for the backward, beside contiguous copies of the keys it sees. Instead the kernel runs
     twice without a mask, over the context and causally over the node's own keys, and the two
     results are merged by their log-sum-exps (as in `shared_prefix_attention`); the backward runs
-    the kernel's own backward over each part against the merged output and log-sum-exp."""
+    the kernel's own backward over each part against the merged output and log-sum-exp. The two
+    parts come as separate tensors, so neither the pass nor its backward concatenates them."""
     if torch.is_autocast_enabled("cpu"):  # as autocast casts SDPA's inputs (the kernel has no autocast rule)
         dtype = torch.get_autocast_dtype("cpu")
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    context = key.shape[2] - query.shape[2]
-    if context == 0:  # no context: plain causal attention
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                              enable_gqa=query.shape[1] != key.shape[1])
-    return _ContextThenCausal.apply(query, key, value, context, scale)
+        query, key, value, past_key, past_value = (x.to(dtype) for x in (query, key, value, past_key, past_value))
+    return _ContextThenCausal.apply(query, key, value, past_key, past_value, scale)
 
 
 def register_spa_sdpa() -> None:
