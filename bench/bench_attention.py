@@ -21,6 +21,13 @@ them:
   `stages.common.kernels.attention.onednn_masked_attention` (float32 only); ``native`` the C kernel
   (`stages.common.kernels.native.prefill_attention`).
 
+* ``tree``: training attention, forward and backward, of ``--tree-rows`` rows that begin with the
+  same ``--tree-root`` tokens and go on with ``--tree-child`` tokens of their own (SFT's rows under
+  one system prompt). ``rows_sdpa`` is each row alone, SDPA's causal kernel over its whole length
+  (`sft.share_prefix=false`); ``tree`` is the prefix tree node by node as `spa sft` trains it on a
+  CPU (`stages.training.tree_passes`): the root causally, then each child over the root's keys
+  and its own (`stages.common.kernels.attention.context_then_causal_attention`).
+
 Each figure is the median of ``--reps`` measurements, milliseconds for the 30 calls; ``max_abs_diff``
 is the largest difference between a variant's output and SDPA's (float32 rounding; in bfloat16,
 each rounded to bfloat16). Prints one JSON object.
@@ -151,6 +158,40 @@ def prefill(rows: int, new: int, cached: int, reps: int, dtype) -> dict:
     return result
 
 
+def tree(rows: int, root: int, child: int, reps: int, dtype) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from stages.common.kernels.attention import context_then_causal_attention
+
+    def inputs(queries: int, keys: int) -> list:
+        shapes = [(1, HEADS, queries, HEAD_DIM), (1, KV_HEADS, keys, HEAD_DIM), (1, KV_HEADS, keys, HEAD_DIM)]
+        return [torch.randn(shape, dtype=dtype, requires_grad=True) for shape in shapes]
+
+    # Per layer: a row alone (root + child tokens), the root, and a child after the root's keys.
+    whole, alone, child_of = ([inputs(n, k) for _ in range(LAYERS)]
+                              for n, k in ((root + child, root + child), (root, root), (child, root + child)))
+    grad_whole = torch.randn(1, HEADS, root + child, HEAD_DIM, dtype=dtype)
+    grad_root, grad_child = grad_whole[:, :, :root], grad_whole[:, :, root:]
+    scale = HEAD_DIM ** -0.5
+
+    def rows_sdpa(layer):
+        q, k, v = whole[layer]
+        for _ in range(rows):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).backward(grad_whole)
+
+    def nodes(layer):
+        q, k, v = alone[layer]
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).backward(grad_root)
+        q, k, v = child_of[layer]
+        for _ in range(rows):
+            context_then_causal_attention(q, k[:, :, root:], v[:, :, root:], k[:, :, :root], v[:, :, :root],
+                                          scale).backward(grad_child)
+
+    return {"rows": rows, "root_tokens": root, "child_tokens": child, "rows_sdpa_ms": timed(rows_sdpa, reps),
+            "tree_ms": timed(nodes, reps)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,64", help="decode rows, comma-separated")
@@ -159,6 +200,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=170, help="prefill: new tokens a row")
     parser.add_argument("--cached", type=int, default=642, help="prefill: cached columns a row")
     parser.add_argument("--prefill-rows", type=int, default=16)
+    parser.add_argument("--tree-rows", type=int, default=4, help="tree: rows that share the root")
+    parser.add_argument("--tree-root", type=int, default=404, help="tree: the tokens the rows share")
+    parser.add_argument("--tree-child", type=int, default=611, help="tree: each row's own tokens")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
@@ -168,7 +212,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     result = {"threads": torch.get_num_threads(), "dtype": args.dtype,
               "decode": [decode(int(rows), args.shared, args.own, args.reps, dtype) for rows in args.rows.split(",")],
-              "prefill": prefill(args.prefill_rows, args.new, args.cached, args.reps, dtype)}
+              "prefill": prefill(args.prefill_rows, args.new, args.cached, args.reps, dtype),
+              "tree": tree(args.tree_rows, args.tree_root, args.tree_child, args.reps, dtype)}
     for entry in result["decode"]:
         entry["speedup"] = round(entry["sdpa_ms"] / entry["shared_prefix_ms"], 2)
         if "native_ms" in entry:
@@ -177,6 +222,7 @@ def main() -> None:
     for name in ("onednn", "native"):
         if f"{name}_ms" in filled:
             filled[f"{name}_speedup"] = round(filled["sdpa_ms"] / filled[f"{name}_ms"], 2)
+    result["tree"]["speedup"] = round(result["tree"]["rows_sdpa_ms"] / result["tree"]["tree_ms"], 2)
     print(json.dumps(result))
 
 
