@@ -26,12 +26,15 @@ Prints one JSON object: per variant the phases' seconds, the profile's split, th
 hold and the tokens computed, the rate of the linear layers' matmuls inside the step (their FLOPs:
 6 x the weights of the layers x the tokens they see, 8 x with the recomputed forward, the LM head
 on the trained tokens only, over the profile's matmul time), MFU (6 x parameters x computed tokens
-/ step time, over the run's matmul peak in that precision, as `bench_sft.py`) and the peak RSS. A
+/ step time, over the run's matmul peak in that precision, as `bench_sft.py`) and the peak RSS;
+with ``--allocated``, the step is run once more with every allocation of torch's allocator
+recorded, and its peak (`stages.training.memory.measured_peak_bytes`: the weights counted, not
+the optimizer's state, which the warm-up step created) is ``allocated_peak_gb``. A
 profile beside the benchmarks, not one of `make bench`: its figures are in docs/results.md.
 
     python bench/profile_sft_step.py [--model smollm2-135m] [--rows-per-step 2] [--data SFT.jsonl]
         [--gradient-checkpointing] [--dtype float32 --dtype bfloat16]
-        [--variant z2_shared --variant z2_unshared --variant z0_unshared]
+        [--variant z2_shared --variant z2_unshared --variant z0_unshared] [--allocated]
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def category(op: str) -> str:
 
 
 def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, share: bool,
-            checkpointing: bool) -> dict:
+            checkpointing: bool, allocated: bool = False) -> dict:
     """One variant's timed and profiled step (see the module docstring)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -68,7 +71,7 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
     from stages.common.config import load_config
     from stages.sft import token_ce_sum
     from stages.training import engine as eng
-    from stages.training import trainable, tree_passes
+    from stages.training import memory, trainable, tree_passes
     from stages.training.policy import StepPolicy
     from stages.training.sft_data import collate, rank_micro_batches, read_rows, step_plan, tokenize_rows
 
@@ -127,10 +130,15 @@ def measure(model: str, data: str, rows_per_step: int, dtype: str, stage: int, s
     body = params - model.get_input_embeddings().weight.numel() - (head if not model.config.tie_word_embeddings else 0)
     passes = 8 if checkpointing else 6  # forward and backward, and the forward again when recomputed
     matmul_flops = passes * body * timed["computed_tokens"] + 6 * head * timed["trained_tokens"]
-    return {**timed, "profile_s": {k: round(v, 3) for k, v in sorted(split.items())},
-            "parameters": params,
-            "matmul_gflops_in_step": round(matmul_flops / split.get("matmul", float("inf")) / 1e9, 1),
-            "flops_per_s": 6 * params * timed["computed_tokens"] / timed["step_s"]}
+    result = {**timed, "profile_s": {k: round(v, 3) for k, v in sorted(split.items())},
+              "parameters": params,
+              "matmul_gflops_in_step": round(matmul_flops / split.get("matmul", float("inf")) / 1e9, 1),
+              "flops_per_s": 6 * params * timed["computed_tokens"] / timed["step_s"],
+              "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)}
+    if allocated:  # the same rows' step again, every allocation recorded (after the RSS is read)
+        peak = memory.measured_peak_bytes(lambda: step(examples[:rows_per_step]), [engine.module])
+        result["allocated_peak_gb"] = round(peak / 1e9, 3)
+    return result
 
 
 def run_child(spec: dict) -> dict:
@@ -149,6 +157,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", choices=tuple(VARIANTS))
     parser.add_argument("--data", help="an SFT JSONL file (spa clean's) instead of bench_sft.py's Sokoban rows")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="as sft.gradient_checkpointing")
+    parser.add_argument("--allocated", action="store_true",
+                        help="also the step's peak in torch's allocator (the step again, allocations recorded)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -156,9 +166,7 @@ def main() -> None:
         kind = spec.pop("kind")
         from bench_sft import matmul_peak
 
-        result = measure(**spec) if kind == "step" else {"flops": matmul_peak(spec["dtype"])}
-        result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)
-        print(json.dumps(result))
+        print(json.dumps(measure(**spec) if kind == "step" else {"flops": matmul_peak(spec["dtype"])}))
         return
 
     from bench_sft import make_data
@@ -173,7 +181,8 @@ def main() -> None:
         for name in args.variant or ["z2_shared", "z2_unshared", "z0_unshared"]:
             stage, share = VARIANTS[name]
             run = run_child({"kind": "step", "model": args.model, "data": data, "rows_per_step": args.rows_per_step, "dtype": dtype,
-                             "stage": stage, "share": share, "checkpointing": args.gradient_checkpointing})
+                             "stage": stage, "share": share, "checkpointing": args.gradient_checkpointing,
+                             "allocated": args.allocated})
             if "flops_per_s" in run:
                 run["mfu"] = round(run.pop("flops_per_s") / peak, 3)
                 run["tokens_per_s"] = round(run["tokens"] / run["step_s"], 1)

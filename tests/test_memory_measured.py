@@ -22,12 +22,10 @@ that peak, and not wildly more:
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from stages import ppo, sft
 from stages.common.config import load_config
@@ -38,22 +36,6 @@ from stages.training.ppo_samples import Sample, micro_batches, rank_shares
 TINY, BUNDLED = "tiny", "smollm2-135m"
 GPU = 80 * memory.GiB  # any: the trainer's phases do not depend on the GPU's size
 SLACK = 1.75
-
-
-def peak_bytes(run, modules) -> int:
-    """The most bytes torch's CPU allocator holds while `run()` runs, with `modules`' weights and
-    buffers (held before it) counted."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for module in modules for t in [*module.parameters(), *module.buffers()]}
-    gc.collect()  # garbage of earlier work freed inside the run would count against the step's peak
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    alive = peak = 0
-    for _, nbytes in sorted(events, key=lambda event: event[0]):
-        alive += nbytes
-        peak = max(peak, alive)
-    return sum(storages.values()) + peak
 
 
 def planned_update(kind: str, config) -> int:
@@ -146,7 +128,7 @@ def test_a_ppo_update_allocates_what_the_plan_says(tiny_model_dir, model, share,
     samples = shared_prefix_samples(2, 4, 100, 50, 60)
     assert memory.micro_batch_size("ppo", config) == 1024  # the budget, above the longest episode
     engines = [models.actor_engine.module, models.critic_engine.module]
-    measured = peak_bytes(lambda: ppo.update(models, samples, rank_shares(samples, 8, 1), config, 1), engines)
+    measured = memory.measured_peak_bytes(lambda: ppo.update(models, samples, rank_shares(samples, 8, 1), config, 1), engines)
     assert_planned(planned_update("ppo", config), measured)
 
 
@@ -180,7 +162,7 @@ def test_an_sft_step_allocates_what_the_plan_says(tiny_model_dir, tmp_path, monk
 
     def measured_step(trainer, *args):
         result = []
-        measured.append(peak_bytes(lambda: result.append(real_step(trainer, *args)), [trainer.engine.module]))
+        measured.append(memory.measured_peak_bytes(lambda: result.append(real_step(trainer, *args)), [trainer.engine.module]))
         return result[0]
 
     monkeypatch.setattr(sft._Trainer, "_train_step", measured_step)

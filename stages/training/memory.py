@@ -505,3 +505,25 @@ def require_fit(config: SPAConfig, kind: str, world: int) -> None:
     plan = plan_stage(kind, config, shape, world, gpu_capacity())
     if not plan.fits:
         raise UserError(too_big(plan, config, shape) + f" (spa plan CONFIG --stage {kind} shows every figure)")
+
+
+def measured_peak_bytes(run, modules) -> int:
+    """The most bytes torch's CPU allocator holds while `run()` runs, with `modules`' weights and
+    buffers (held before it) counted: every allocation and free under torch's profiler, in order.
+    What the plan is checked against (tests/test_memory_measured.py); `bench/profile_sft_step.py
+    --allocated` reports it for a step."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for module in modules for t in [*module.parameters(), *module.buffers()]}
+    gc.collect()  # garbage of earlier work freed inside the run would count against the step's peak
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    alive = peak = 0
+    for _, nbytes in sorted(events, key=lambda event: event[0]):
+        alive += nbytes
+        peak = max(peak, alive)
+    return sum(storages.values()) + peak
