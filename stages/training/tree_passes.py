@@ -15,7 +15,8 @@ once: the rows' losses and gradients are those of the packed pass (tests/test_sf
 `applies` says where it runs: the plain-torch engine (DeepSpeed's engines reduce and scale each
 backward pass themselves), without gradient checkpointing (a checkpointed layer runs its
 attention again in the backward, which `NodePass` would take for the next layer's), on a model
-without sliding-window layers, on the CPU (on CUDA one compiled FlexAttention call over the whole
+without sliding-window layers (`node_attention` computes a window, tested alone, but no test trains
+such a model node by node), on the CPU (on CUDA one compiled FlexAttention call over the whole
 tree is faster than many small passes).
 """
 
