@@ -307,7 +307,9 @@ def tree_attention(query, key, value, layout: TreeLayout, scaling=None, dropout:
                                                          enable_gqa=gqa))
             continue
         if merged:
-            past_k, past_v = (torch.cat([parts[a] for a in ancestors], dim=2) for parts in (keys, values))
+            # A lone ancestor (a group's shared prompt) as it is: a joined copy would be kept for the backward.
+            past_k, past_v = (parts[ancestors[0]] if len(ancestors) == 1
+                              else torch.cat([parts[a] for a in ancestors], dim=2) for parts in (keys, values))
             blocks.append(context_then_causal_attention(q, k, v, past_k, past_v, scaling))
             continue
         if ancestors:

@@ -84,7 +84,6 @@ class _Walk:
                                      rows=torch.zeros_like(cols), cols=cols, targets=ids,
                                      position_ids=self.batch["position_ids"][:, start:end], node=node_pass)
         own = node_pass.own
-        del node_pass
         kids = [child for child in self.children[node] if self.needed[child]]
         leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in own] if kids else []
         if kids:
