@@ -165,6 +165,7 @@ def compiled_step(model, linears, caches: SlabCaches, tokens, args):
     import torch.nn.functional as F
 
     from stages.common.kernels import native
+    from stages.common.kernels.decode import _rms_norm, _rotated  # the eager step's own norm and rotation
 
     # Schemas spelled out: this module's annotations are strings (`from __future__ import annotations`).
     @torch.library.custom_op("spa_bench::linear", mutates_args=(),
@@ -193,10 +194,7 @@ def compiled_step(model, linears, caches: SlabCaches, tokens, args):
     layers = list(inner.layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim, width = config.hidden_size // heads, config.intermediate_size
-    half, scale, eps = head_dim // 2, layers[0].self_attn.scaling, layers[0].input_layernorm.variance_epsilon
-
-    def norm(x, module):
-        return F.rms_norm(x, x.shape[-1:], module.weight, eps)
+    half, scale = head_dim // 2, layers[0].self_attn.scaling
 
     def step(token, position, valid, keys: list[torch.Tensor], values: list[torch.Tensor], column: int):
         rows = token.shape[0]
@@ -206,19 +204,19 @@ def compiled_step(model, linears, caches: SlabCaches, tokens, args):
         mask = torch.zeros(valid.shape, dtype=x.dtype).masked_fill_(~valid, float("-inf"))
         for index, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = linear(norm(x, layer.input_layernorm), packed[attn.q_proj]).split(
+            q, k, v = linear(_rms_norm(x, layer.input_layernorm), packed[attn.q_proj]).split(
                 [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
             q, k = (t.view(rows, -1, 1, head_dim) for t in (q, k))
-            q = q * cos + q.roll(half, -1) * signed_sin
-            keys[index][:, :, column:column + 1] = k * cos + k.roll(half, -1) * signed_sin
+            q = _rotated(q, cos, signed_sin, half)
+            keys[index][:, :, column:column + 1] = _rotated(k, cos, signed_sin, half)
             values[index][:, :, column:column + 1] = v.view(rows, -1, 1, head_dim)
             out = attention(q, keys[index][:, :, :column + 1], values[index][:, :, :column + 1], mask,
                             caches.shared, scale)
             x = x + linear(out.reshape(rows, 1, -1), packed[attn.o_proj])
-            h = norm(x, layer.post_attention_layernorm)
+            h = _rms_norm(x, layer.post_attention_layernorm)
             gate, up = linear(h, packed[mlp.gate_proj]).split([width, width], -1)
             x = x + linear(F.silu(gate) * up, packed[mlp.down_proj])
-        return linear(norm(x, inner.norm), packed[model.lm_head])[:, -1]
+        return linear(_rms_norm(x, inner.norm), packed[model.lm_head])[:, -1]
 
     inductor.cpp_wrapper = True
     inductor.compile_threads = 1  # no pool of compiling processes left beside the timed steps

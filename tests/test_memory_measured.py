@@ -128,7 +128,8 @@ def test_a_ppo_update_allocates_what_the_plan_says(tiny_model_dir, model, share,
     samples = shared_prefix_samples(2, 4, 100, 50, 60)
     assert memory.micro_batch_size("ppo", config) == 1024  # the budget, above the longest episode
     engines = [models.actor_engine.module, models.critic_engine.module]
-    measured = memory.measured_peak_bytes(lambda: ppo.update(models, samples, rank_shares(samples, 8, 1), config, 1), engines)
+    measured = memory.measured_peak_bytes(
+        lambda: ppo.update(models, samples, rank_shares(samples, 8, 1), config, 1), engines)
     assert_planned(planned_update("ppo", config), measured)
 
 
@@ -162,7 +163,8 @@ def test_an_sft_step_allocates_what_the_plan_says(tiny_model_dir, tmp_path, monk
 
     def measured_step(trainer, *args):
         result = []
-        measured.append(memory.measured_peak_bytes(lambda: result.append(real_step(trainer, *args)), [trainer.engine.module]))
+        measured.append(memory.measured_peak_bytes(lambda: result.append(real_step(trainer, *args)),
+                                                   [trainer.engine.module]))
         return result[0]
 
     monkeypatch.setattr(sft._Trainer, "_train_step", measured_step)
